@@ -35,6 +35,21 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(num_heads)]
 
 
+def pad_head_dims(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad q/k or v to equal head dims where torch's fast SDPA kernel needs them (the CPU flash kernel).
+
+    Exact: zero q/k columns add nothing to the logits; zero v columns give zero outputs, sliced off afterwards.
+    """
+    e, ev = q.shape[-1], v.shape[-1]
+    if e == ev or q.device.type != "cpu":
+        return q, k, v
+    if e > ev:
+        return q, k, F.pad(v, (0, e - ev))
+    return F.pad(q, (0, ev - e)), F.pad(k, (0, ev - e)), v
+
+
 def attend(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -50,12 +65,53 @@ def attend(
     ``fused`` goes through ``scaled_dot_product_attention``; otherwise the explicit product (same result).
     """
     if fused:
-        return F.scaled_dot_product_attention(
+        value_dim = v.shape[-1]
+        q, k, v = pad_head_dims(q, k, v)
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return out[..., :value_dim]
     attn = (q * scale) @ k.transpose(-2, -1)
     attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
     attn = F.dropout(attn.softmax(dim=-1), dropout_p)
     return attn @ v
+
+
+@torch.jit.unused
+def fused_attend_recomputing(
+        q: torch.Tensor,
+        mixing: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        attn_mask: Optional[torch.Tensor],
+        is_causal: bool,
+        dropout_p: float,
+) -> torch.Tensor:
+    """Fused attention on the mixed queries ``q diag(m_i)`` without autograd storing the Nh x larger tensors.
+
+    SDPA would save its inputs for backward: the mixed queries (Nh x the shared ones) and any padded copies. A
+    saved-tensor hook stores a recipe for each instead and recomputes it (one multiply or pad) in backward.
+    """
+    shared, weights, keys, values = q.detach(), mixing.detach(), k.detach(), v.detach()
+
+    def inputs(q_shared: torch.Tensor, m: torch.Tensor, k_shared: torch.Tensor, v_heads: torch.Tensor):
+        mixed = q_shared.unsqueeze(1) * m.unsqueeze(1)  # (B, Nh, N, D~k), eq. 5
+        return pad_head_dims(mixed, k_shared.unsqueeze(1).expand(-1, m.shape[0], -1, -1), v_heads)
+
+    q_in, k_in, v_in = inputs(q, mixing, k, v)
+    recipes = {(t.data_ptr(), t.shape): i for i, t in enumerate((q_in, k_in, v_in)) if t.data_ptr() != v.data_ptr()}
+
+    def pack(tensor: torch.Tensor):
+        index = recipes.get((tensor.data_ptr(), tensor.shape))
+        return tensor if index is None else index
+
+    def unpack(packed):
+        return inputs(shared, weights, keys, values)[packed] if isinstance(packed, int) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = F.scaled_dot_product_attention(
+            q_in, k_in, v_in, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out[..., :v.shape[-1]]
 
 
 class HeadOutput(nn.Module):
@@ -164,15 +220,19 @@ class CollaborativeAttention(HeadOutput):
         q = self.q_norm(self.query(x))  # (B, N, D~k), shared by all heads
         k = self.k_norm(self.key(x))
         v = self.value(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        # Mixed queries q_i = q diag(m_i) (eq. 5); keys broadcast to every head without a copy.
-        q = q.unsqueeze(1) * self.mixing.unsqueeze(1)  # (B, Nh, N, D~k)
-        k = k.unsqueeze(1).expand(B, self.num_heads, N, self.key_dim)
-
         if self.content_bias is not None:  # c_i . x_m, constant along a query row of head i: an additive mask
             content = self.content_bias(x).transpose(1, 2).unsqueeze(2) * self.scale  # (B, Nh, 1, N)
             attn_mask = maybe_add_mask(content, resolve_self_attn_mask(N, content, attn_mask, is_causal))
             is_causal = False
-        x = attend(q, k, v, self.scale, attn_mask, is_causal, self.attn_drop.p if self.training else 0., self.fused_attn)
+        dropout_p = self.attn_drop.p if self.training else 0.
+        eager_training = not (torch.jit.is_scripting() or torch.compiler.is_compiling()) and torch.is_grad_enabled()
+        if not (eager_training and self.fused_attn):
+            # Mixed queries q_i = q diag(m_i) (eq. 5); keys broadcast to every head without a copy.
+            q = q.unsqueeze(1) * self.mixing.unsqueeze(1)  # (B, Nh, N, D~k)
+            k = k.unsqueeze(1).expand(B, self.num_heads, N, self.key_dim)
+            x = attend(q, k, v, self.scale, attn_mask, is_causal, dropout_p, self.fused_attn)
+        else:
+            x = fused_attend_recomputing(q, self.mixing, k, v, self.scale, attn_mask, is_causal, dropout_p)
         return self.project_heads(x)
 
     @classmethod
