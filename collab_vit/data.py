@@ -7,8 +7,11 @@ from typing import Any, Dict, Optional
 import torch
 from timm.data import FastCollateMixup, Mixup, create_dataset, create_loader, resolve_data_config
 
+from .compat import patch_timm_posterize
 from .config import TrainConfig
 from .distributed import DistInfo
+
+patch_timm_posterize()
 
 IMG_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.ppm', '.pgm', '.tif', '.tiff', '.webp')
 

@@ -115,3 +115,17 @@ def test_atomic_write_replaces(tmp_path):
     for text in ('one', 'two'):
         atomic_write(str(path), lambda tmp, t=text: open(tmp, 'w').write(t))
     assert path.read_text() == 'two' and os.listdir(tmp_path) == ['a.txt']
+
+
+def test_randaugment_posterize_zero_bits():
+    """DeiT's RandAugment asks for 0-bit posterize at magnitude 10; with Pillow >= 13 that must not crash."""
+    import numpy as np
+    from PIL import Image
+    from timm.data.auto_augment import rand_augment_transform
+
+    import collab_vit.data  # noqa: F401  (applies the patch)
+    op = rand_augment_transform('rand-n1-m10-inc1', {}).ops
+    post = next(o for o in op if o.name == 'PosterizeIncreasing')
+    post.prob, post.magnitude_std = 1.0, 0.0
+    img = Image.fromarray(np.full((8, 8, 3), 200, dtype=np.uint8))
+    assert np.asarray(post(img)).max() == 0
