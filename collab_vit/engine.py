@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 from timm.utils import AverageMeter, ModelEmaV3, NativeScaler, accuracy, dispatch_clip_grad
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .distributed import DistInfo, all_reduce_sum
@@ -72,7 +73,8 @@ def train_one_epoch(
             optimizer.zero_grad(set_to_none=True)
             num_updates += 1
             if model_ema is not None:
-                model_ema.update(model, step=num_updates)
+                model_ema.update(model.module if isinstance(model, DistributedDataParallel) else model,
+                                 step=num_updates)
             if scheduler is not None and sched_on_updates:
                 scheduler.step_update(num_updates=num_updates)
         loss_meter.update(loss.item(), images.shape[0])

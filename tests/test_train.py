@@ -129,3 +129,23 @@ def test_randaugment_posterize_zero_bits():
     post.prob, post.magnitude_std = 1.0, 0.0
     img = Image.fromarray(np.full((8, 8, 3), 200, dtype=np.uint8))
     assert np.asarray(post(img)).max() == 0
+
+
+def test_wandb_offline_without_key(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.delenv('WANDB_API_KEY', raising=False)
+    monkeypatch.delenv('WANDB_MODE', raising=False)
+    summary = train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'wb'), epochs=1, log_wandb=True)))
+    assert summary['top1'] is not None
+    assert any(d.startswith('offline-run-') for d in os.listdir(tmp_path / 'wb' / 'wandb'))
+
+
+def test_wandb_failure_does_not_fail_run(tiny_data, tmp_path, monkeypatch, capsys):
+    import wandb
+
+    def broken_init(*args, **kwargs):
+        raise TimeoutError('no network')
+
+    monkeypatch.setattr(wandb, 'init', broken_init)
+    summary = train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'wb'), epochs=1, log_wandb=True)))
+    assert summary['top1'] is not None
+    assert 'warning: wandb disabled (TimeoutError: no network)' in capsys.readouterr().err
