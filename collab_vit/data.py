@@ -31,7 +31,9 @@ def check_image_folder(root: str, split: str) -> None:
     if not os.path.isdir(root):
         raise DataError(f'data directory not found: {os.path.abspath(root)}')
     candidates = [split] + (['val'] if split == 'validation' else []) + (['validation'] if split == 'val' else [])
-    split_dir = next((os.path.join(root, s) for s in candidates if os.path.isdir(os.path.join(root, s))), root)
+    split_dir = next((os.path.join(root, s) for s in candidates if os.path.exists(os.path.join(root, s))), root)
+    if os.path.isfile(split_dir) and split_dir.endswith('.tar'):
+        return  # a tar archive of class folders, read by timm's tar reader
     for _, _, files in os.walk(split_dir):
         if any(f.lower().endswith(IMG_EXTENSIONS) for f in files):
             return

@@ -149,3 +149,12 @@ def test_wandb_failure_does_not_fail_run(tiny_data, tmp_path, monkeypatch, capsy
     summary = train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'wb'), epochs=1, log_wandb=True)))
     assert summary['top1'] is not None
     assert 'warning: wandb disabled (TimeoutError: no network)' in capsys.readouterr().err
+
+
+def test_tar_split(tiny_data, tmp_path):
+    import tarfile
+    for split in ('train', 'val'):
+        with tarfile.open(tmp_path / f'{split}.tar', 'w') as tar:
+            tar.add(os.path.join(tiny_data, split), arcname='.')
+    ds = build_dataset('', str(tmp_path), 'val.tar', False)
+    assert len(ds) == 12 and ds[0][1] in (0, 1, 2)
