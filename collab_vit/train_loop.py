@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .build import create_model, load_weights
 from .checkpoint import export_safetensors, load_checkpoint, prepare_run_dir, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, TrainConfig, save_config
-from .data import build_dataset, build_eval_loader, build_mixup, build_train_loader, eval_data_config, shard_size
+from .data import (DataError, build_dataset, build_eval_loader, build_mixup, build_train_loader, eval_data_config,
+                   shard_size)
 from .distributed import DistInfo, barrier, broadcast_object, cleanup_distributed, init_distributed
 from .engine import autocast_context, evaluate, train_one_epoch
 from .logger import RunLogger
@@ -141,6 +142,9 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
     train_loader = build_train_loader(cfg, train_set, data_cfg, dist_info, collate_fn=mixup if prefetch else None)
     val_loader = build_eval_loader(val_set, data_cfg, cfg.batch_size, cfg.num_workers, dist_info, cfg.pin_memory)
     val_samples = shard_size(len(val_set), dist_info)
+    if len(train_loader) == 0:
+        raise DataError(f'{len(train_set)} training images in {os.path.abspath(cfg.data_dir)} make no full batch of '
+                        f'{cfg.batch_size} per process on {dist_info.world_size} process(es)')
     if mixup is not None:
         train_loss = SoftTargetCrossEntropy()
     elif cfg.smoothing > 0:

@@ -158,3 +158,15 @@ def test_tar_split(tiny_data, tmp_path):
             tar.add(os.path.join(tiny_data, split), arcname='.')
     ds = build_dataset('', str(tmp_path), 'val.tar', False)
     assert len(ds) == 12 and ds[0][1] in (0, 1, 2)
+
+
+def test_finetune_from_checkpoint_loads_weights(tiny_data, tmp_path):
+    """``checkpoint:`` initialises the model (here with lr 0 the weights must come out unchanged)."""
+    from safetensors.torch import load_file
+    first = tiny_overrides(tiny_data, str(tmp_path / 'pre'), epochs=1, model_ema=False)
+    train(build_config(None, first))
+    frozen = dict(lr=0.0, warmup_lr=0.0, min_lr=0.0, epochs=1, model_ema=False,
+                  checkpoint=str(tmp_path / 'pre' / 'model.safetensors'))
+    train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'ft'), **frozen)))
+    a, b = load_file(tmp_path / 'pre' / 'model.safetensors'), load_file(tmp_path / 'ft' / 'model.safetensors')
+    assert all(torch.equal(a[k], b[k]) for k in a)
