@@ -16,7 +16,8 @@ from conftest import ROOT, tiny_overrides, to_flags
 
 # every RNG consumer on: RandAugment, random erasing, mixup/cutmix, drop path; plus accumulation, clipping, EMA
 RNG_HEAVY = dict(aa='rand-m9-mstd0.5-inc1', reprob=0.25, mixup=0.8, cutmix=1.0, drop_path=0.1, accum_steps=2,
-                 clip_grad=1.0, model_ema=True, model_ema_decay=0.9, epochs=3, deterministic=True, seed=3)
+                 clip_grad=1.0, model_ema=True, model_ema_decay=0.9, epochs=3, deterministic=True, seed=3,
+                 checkpoint_every=2)
 
 
 def test_resume_is_exact(tiny_data, tmp_path):
@@ -34,6 +35,10 @@ def test_resume_is_exact(tiny_data, tmp_path):
     for sa, sb in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert full['weights_sha256'] == resumed['weights_sha256'] and full['top1'] == resumed['top1']
+    files = set(os.listdir(tmp_path / 'full'))
+    assert {'config.yaml', 'log.jsonl', 'last.pth', 'best.pth', 'epoch_0001.pth', 'model.safetensors'} <= files
+    assert 'epoch_0000.pth' not in files and 'epoch_0002.pth' not in files
+    assert load_checkpoint(tmp_path / 'full' / 'best.pth')['epoch'] == full['best_epoch']
     # the resumed run appended to the same epoch log
     lines = [json.loads(x) for x in open(tmp_path / 'split' / 'log.jsonl')]
     assert [r['epoch'] for r in lines] == [0, 1, 2]
