@@ -7,10 +7,7 @@ from typing import Any, Dict, Optional
 import timm
 import torch
 
-try:  # registers collab_deit_* / concat_deit_* with timm  (TODO: plain import once main's models.py is merged)
-    from . import models as _models  # noqa: F401
-except ImportError:  # pragma: no cover
-    _models = None
+from . import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
 
 from .checkpoint import read_weights
 

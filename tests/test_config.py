@@ -85,11 +85,11 @@ def test_base_inheritance_and_saved_config_roundtrip(tmp_path):
 
 
 def test_no_weight_decay_groups():
-    model = create_model('deit_tiny_patch16_224', 10, 32, 0.0, {'patch_size': 8, 'depth': 1, 'embed_dim': 48,
-                                                                 'num_heads': 3})
-    model.blocks[0].attn.register_parameter('mixing', torch.nn.Parameter(torch.ones(3, 48)))  # as in collab attn
+    model = create_model('collab_deit_tiny_patch16_224', 10, 32, 0.0, {'key_dim': 24, 'patch_size': 8, 'depth': 1,
+                                                                        'embed_dim': 48, 'num_heads': 3})
+    assert model.blocks[0].attn.mixing.ndim == 2  # a matrix: the 1-D rule alone would decay it
     groups = param_groups(model, 0.05)
     no_decay = {id(p) for g in groups if g['weight_decay'] == 0 for p in g['params']}
     names = {n for n, p in model.named_parameters() if id(p) in no_decay}
     assert {'pos_embed', 'cls_token', 'blocks.0.attn.mixing', 'blocks.0.norm1.weight', 'head.bias'} <= names
-    assert 'blocks.0.attn.qkv.weight' not in names and 'head.weight' not in names
+    assert 'blocks.0.attn.query.weight' not in names and 'head.weight' not in names

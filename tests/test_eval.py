@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from collab_vit.evaluate import main as eval_main
 
-from conftest import ROOT, TINY_KWARGS, TINY_MODEL, make_image_folder, tiny_overrides, to_flags
+from tinyrun import ROOT, TINY_KWARGS, TINY_MODEL, make_image_folder, tiny_overrides, to_flags
 
 
 @pytest.fixture(scope='module')

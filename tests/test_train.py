@@ -12,7 +12,7 @@ from collab_vit.config import ConfigError, build_config
 from collab_vit.data import DataError, build_dataset
 from collab_vit.train_loop import train
 
-from conftest import ROOT, tiny_overrides, to_flags
+from tinyrun import ROOT, tiny_data, tiny_overrides, to_flags  # noqa: F401  (tiny_data is a fixture)
 
 # every RNG consumer on: RandAugment, random erasing, mixup/cutmix, drop path; plus accumulation, clipping, EMA
 RNG_HEAVY = dict(aa='rand-m9-mstd0.5-inc1', reprob=0.25, mixup=0.8, cutmix=1.0, drop_path=0.1, accum_steps=2,

@@ -1,0 +1,112 @@
+"""timm registrations: collaborative DeiTs (paper section 4, vision) and the reduced-key-dim concatenate baselines.
+
+``import collab_vit`` registers every model here with timm:
+
+* ``collab_deit_{tiny,small,base}_patch16_224`` -- keyword ``key_dim`` (default: the embed dim) and ``mixing_init``;
+* ``collab_deit_{size}_patch16_224_k{N}`` -- the paper's grid, key dim fixed by the name;
+* ``concat_deit_{size}_patch16_224_k{N}`` -- standard attention with each head's key/query dim cut to N / heads.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Type
+
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.vision_transformer import checkpoint_filter_fn
+
+from .attention import CollaborativeAttention, ConcatAttention, attention_class, check_key_dim
+
+# DeiT sizes (Touvron et al. 2021), patch 16 at 224 px.
+DEIT_ARCHS: dict[str, dict[str, int]] = {
+    "tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+}
+# The paper's key-dim grid: full, 1/2 and 1/4 of the embed dim (collaborative); the reduced ones for the baseline.
+KEY_DIM_GRID: dict[str, tuple[int, ...]] = {"tiny": (192, 96, 48), "small": (384, 192, 96), "base": (768, 384, 192)}
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    """Default cfg as timm's DeiT (input 224, bicubic, crop 0.9, ImageNet mean/std)."""
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
+        "crop_pct": .9, "interpolation": "bicubic", "fixed_input_size": True,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+def collab_name(size: str, key_dim: Optional[int] = None) -> str:
+    return f"collab_deit_{size}_patch16_224" + ("" if key_dim is None else f"_k{key_dim}")
+
+
+def concat_name(size: str, key_dim: int) -> str:
+    return f"concat_deit_{size}_patch16_224_k{key_dim}"
+
+
+COLLAB_MODELS: list[str] = [collab_name(s) for s in DEIT_ARCHS] + [
+    collab_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid]
+CONCAT_MODELS: list[str] = [concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
+
+default_cfgs = generate_default_cfgs({name: _cfg() for name in COLLAB_MODELS + CONCAT_MODELS})
+
+
+def create_deit(
+        variant: str,
+        attn_base: Type[nn.Module],
+        key_dim: Optional[int],
+        pretrained: bool = False,
+        mixing_init: Optional[str] = None,
+        **kwargs: Any,
+) -> VisionTransformer:
+    """Build a DeiT-style ``VisionTransformer`` whose every block uses ``attn_base`` with ``key_dim``."""
+    embed_dim = kwargs.get("embed_dim", 768)
+    key_dim = embed_dim if key_dim is None else check_key_dim(key_dim)
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        VisionTransformer,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        attn_layer=attention_class(attn_base, key_dim, mixing_init),
+        **kwargs,
+    )
+
+
+def _make_entrypoint(name: str, size: str, attn_base: Type[nn.Module], fixed_key_dim: Optional[int]) -> Callable:
+    """One timm entry point (``fn(pretrained=False, **kwargs)``) for a named variant."""
+
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+        if fixed_key_dim is not None and kwargs.get("key_dim", fixed_key_dim) != fixed_key_dim:
+            raise ValueError(f"{name} fixes key_dim={fixed_key_dim}; use {collab_name(size)} for key_dim="
+                             f"{kwargs['key_dim']}")
+        key_dim = kwargs.pop("key_dim", fixed_key_dim)
+        mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
+        model_args = dict(DEIT_ARCHS[size], qkv_bias=True)
+        return create_deit(name, attn_base, key_dim, pretrained, mixing_init, **dict(model_args, **kwargs))
+
+    entrypoint.__name__ = entrypoint.__qualname__ = name
+    entrypoint.__module__ = __name__
+    kind = "Collaborative" if attn_base is CollaborativeAttention else "Reduced-key-dim concatenate"
+    dims = "key_dim keyword, default embed dim" if fixed_key_dim is None else f"key_dim={fixed_key_dim}"
+    entrypoint.__doc__ = f"{kind} DeiT-{size} patch16 224 ({dims})."
+    return entrypoint
+
+
+def _register_all() -> None:
+    module = sys.modules[__name__]
+    for size, grid in KEY_DIM_GRID.items():
+        entries = [(collab_name(size), CollaborativeAttention, None)]
+        entries += [(collab_name(size, k), CollaborativeAttention, k) for k in grid]
+        entries += [(concat_name(size, k), ConcatAttention, k) for k in grid[1:]]
+        for name, attn_base, key_dim in entries:
+            fn = _make_entrypoint(name, size, attn_base, key_dim)
+            setattr(module, name, fn)
+            register_model(fn)
+
+
+_register_all()
