@@ -1,0 +1,244 @@
+"""Training configuration: one dataclass of hyperparameters, YAML files with ``base:`` inheritance, CLI overrides.
+
+Every hyperparameter is a field of :class:`TrainConfig`. A YAML file sets any subset of them and may inherit from
+another file through ``base: relative/path.yaml``; command-line flags ``--key value`` (``-`` or ``_`` both accepted)
+override the result, typed from the field's default. An unknown key anywhere is a :class:`ConfigError` that names it
+and the closest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or flag is invalid; the message is one line meant for the user."""
+
+
+@dataclass
+class TrainConfig:
+    """All hyperparameters of a run. Defaults are DeiT's ImageNet recipe (facebookresearch/deit, 300 epochs)."""
+
+    # model
+    model: str = 'deit_base_patch16_224'
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to timm.create_model, e.g. {key_dim: 384}
+    num_classes: int = 1000
+    img_size: int = 224
+    drop_path: float = 0.1
+    checkpoint: str = ''  # initial weights (our checkpoint, .safetensors or a timm/DeiT .pth), for fine-tuning
+    # data (dataset '' = ImageFolder; timm names such as 'wds/...', 'hfds/...', 'tfds/...' or 'sklearn/digits')
+    data_dir: str = ''
+    dataset: str = ''
+    train_split: str = 'train'
+    val_split: str = 'validation'
+    num_workers: int = 8
+    pin_memory: bool = True
+    persistent_workers: bool = True
+    # augmentation
+    aa: str = 'rand-m9-mstd0.5-inc1'
+    reprob: float = 0.25
+    remode: str = 'pixel'
+    recount: int = 1
+    hflip: float = 0.5
+    color_jitter: float = 0.3
+    scale: Tuple[float, float] = (0.08, 1.0)
+    train_interpolation: str = 'bicubic'
+    crop_pct: float = 0.875
+    mixup: float = 0.8
+    cutmix: float = 1.0
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = 'batch'
+    smoothing: float = 0.1
+    repeated_aug: int = 3  # repeated-augmentation copies per image (DeiT's RASampler); 0 disables
+    # optimisation
+    epochs: int = 300
+    batch_size: int = 64  # per process
+    accum_steps: int = 1
+    opt: str = 'adamw'
+    lr: float = 5e-4  # base lr at a global batch of 512; scaled linearly to the actual global batch
+    lr_base_batch: int = 512
+    weight_decay: float = 0.05
+    opt_eps: float = 1e-8
+    momentum: float = 0.9
+    clip_grad: float = 0.0  # 0 disables
+    clip_mode: str = 'norm'
+    sched: str = 'cosine'
+    warmup_epochs: int = 5
+    warmup_lr: float = 1e-6
+    min_lr: float = 1e-5
+    sched_on_updates: bool = False
+    # model EMA
+    model_ema: bool = True
+    model_ema_decay: float = 0.99996
+    model_ema_force_cpu: bool = False
+    # run
+    amp: bool = True  # used on GPU only
+    amp_dtype: str = 'bfloat16'
+    seed: int = 0
+    deterministic: bool = False
+    device: str = ''  # '' = cuda when available, else cpu
+    cpu_threads: int = 0  # torch intra-op threads per process; 0 = torch's default
+    output: str = ''  # run directory; '' = runs/<config name>
+    resume: bool = False
+    checkpoint_every: int = 0  # also keep epoch_XXXX.pth every N epochs; 0 disables
+    eval_every: int = 1
+    stop_after: int = 0  # leave after this many epochs in this invocation (pre-emptible jobs); 0 = run to the end
+    log_wandb: bool = False
+    wandb_project: str = 'collab-vit'
+    experiment: str = ''  # run name; '' = derived from the output directory
+    progress: bool = True  # tqdm bar on rank 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-type dict (tuples become lists), suitable for YAML, JSON and ``torch.load(weights_only=True)``."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _default(name: str) -> Any:
+    f = FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _check_key(key: str, where: str) -> None:
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, list(FIELDS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ''
+        raise ConfigError(f"unknown config key '{key}' in {where}{hint}")
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """Convert ``value`` to the type of the field's default; raise ConfigError when it does not fit."""
+    default = _default(name)
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() in ('1', 'true', 'yes', 'on'):
+                    return True
+                if value.lower() in ('0', 'false', 'no', 'off'):
+                    return False
+                raise ValueError(value)
+            if isinstance(value, (bool, int)):
+                return bool(value)
+            raise ValueError(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if isinstance(default, str):
+            return '' if value is None else str(value)
+        if isinstance(default, tuple):
+            return tuple(type(d)(v) for d, v in zip(default, value, strict=True))
+        if isinstance(default, dict):
+            if value is None:
+                return {}
+            if not isinstance(value, dict):
+                raise ValueError(value)
+            return dict(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"bad value {value!r} for '{name}' in {where} (expected {type(default).__name__})") from None
+    return value
+
+
+def read_yaml(path: str, _seen: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """Read a config file, merging its ``base:`` chain (paths relative to the file); keys are checked."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f'config file not found: {path}')
+    if path in _seen:
+        raise ConfigError(f'config inheritance cycle through {path}')
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f'config file {path} must hold a mapping of keys to values')
+    base = data.pop('base', None)
+    merged: Dict[str, Any] = {}
+    if base:
+        merged = read_yaml(os.path.join(os.path.dirname(path), base), _seen + (path,))
+    for key, value in data.items():
+        _check_key(key, path)
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = {**merged[key], **value}  # model_kwargs and the like merge with the base
+        merged[key] = value
+    return merged
+
+
+def parse_overrides(argv: Sequence[str]) -> Dict[str, Any]:
+    """Parse ``--key value`` flags (``--flag`` alone sets a bool; ``--model-kwargs a=1 b=2`` fills a dict)."""
+    out: Dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith('--'):
+            raise ConfigError(f"unexpected argument '{arg}' (flags look like --key value)")
+        key, _, inline = arg[2:].partition('=')
+        key = key.replace('-', '_')
+        _check_key(key, 'command-line flags')
+        values: List[str] = [inline] if inline else []
+        i += 1
+        while i < len(argv) and not argv[i].startswith('--'):
+            values.append(argv[i])
+            i += 1
+        default = _default(key)
+        if isinstance(default, bool) and not values:
+            out[key] = True
+        elif isinstance(default, dict):
+            pairs = {}
+            for v in values:
+                k, sep, val = v.partition('=')
+                if not sep:
+                    raise ConfigError(f"bad value '{v}' for '--{key}' (expected key=value pairs)")
+                pairs[k] = yaml.safe_load(val)
+            out[key] = pairs
+        elif isinstance(default, tuple):
+            out[key] = [yaml.safe_load(v) for v in values]
+        elif len(values) != 1:
+            raise ConfigError(f"flag '--{key}' takes exactly one value, got {len(values)}")
+        else:
+            out[key] = values[0] if isinstance(default, str) else yaml.safe_load(values[0])
+    return out
+
+
+def build_config(path: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None) -> TrainConfig:
+    """Resolve a config: dataclass defaults <- YAML chain at ``path`` <- ``overrides`` (dict-valued keys merge)."""
+    values = read_yaml(path) if path else {}
+    for key, value in (overrides or {}).items():
+        _check_key(key, 'overrides')
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            value = {**values[key], **value}
+        values[key] = value
+    kwargs = {k: _coerce(k, v, path or 'overrides') for k, v in values.items()}
+    cfg = TrainConfig(**kwargs)
+    if not cfg.output:
+        name = os.path.splitext(os.path.basename(path))[0] if path else 'run'
+        cfg.output = os.path.join('runs', name)
+    return cfg
+
+
+def save_config(cfg: TrainConfig, path: str) -> None:
+    """Write the resolved config as YAML (it loads back with :func:`build_config`)."""
+    with open(path, 'w') as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainConfig:
+    """``-c FILE`` / ``--config FILE`` plus any ``--key value`` overrides, as used by ``train.py``."""
+    argv = list(argv)
+    path = None
+    for flag in ('-c', '--config'):
+        if flag in argv:
+            i = argv.index(flag)
+            if i + 1 >= len(argv):
+                raise ConfigError(f'{flag} needs a config file path')
+            path = argv[i + 1]
+            del argv[i:i + 2]
+    return build_config(path, parse_overrides(argv))

@@ -1,0 +1,72 @@
+"""Process-group set-up from torchrun's environment variables, and the few collectives the loops need."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits: rank, world size, local rank and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device('cpu')
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = '') -> DistInfo:
+    """Join the process group when launched by torchrun (nccl on GPU, gloo on CPU); otherwise a single process."""
+    if not device:
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    world_size = int(os.environ.get('WORLD_SIZE', 1))
+    rank = int(os.environ.get('RANK', 0))
+    local_rank = int(os.environ.get('LOCAL_RANK', 0))
+    if device.startswith('cuda'):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device('cuda', local_rank)
+    else:
+        dev = torch.device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend='nccl' if dev.type == 'cuda' else 'gloo', init_method='env://')
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def cleanup_distributed() -> None:
+    """Leave the process group if one was joined."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a float64 tensor over all ranks (identity on a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op on a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank (identity on a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj

@@ -1,0 +1,108 @@
+"""Evaluate a model on a validation set: top-1, top-5, loss and throughput, printed and written as JSON.
+
+Weights come from our training checkpoints (model or EMA), ``.safetensors`` exports (model name and kwargs read
+from the metadata) or plain timm/DeiT ``.pth`` files. Runs on one process or under ``torchrun`` (metrics reduced).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+import yaml
+
+from .build import create_model
+from .checkpoint import read_weights
+from .config import ConfigError
+from .data import DataError, build_dataset, build_eval_loader, eval_data_config, shard_size
+from .distributed import cleanup_distributed, init_distributed
+from .engine import autocast_context, evaluate
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--model', default='', help='timm model name (default: read from the checkpoint)')
+    p.add_argument('--checkpoint', default='', help='.pth (ours or timm/DeiT) or .safetensors; none = random init')
+    p.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of a training checkpoint')
+    p.add_argument('--data-dir', required=True, help='dataset root (ImageFolder with a val/ split, or see --dataset)')
+    p.add_argument('--dataset', default='', help="timm dataset name ('' = ImageFolder; 'wds/...', 'hfds/...')")
+    p.add_argument('--split', default='validation')
+    p.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE', help='e.g. key_dim=384')
+    p.add_argument('--num-classes', type=int, default=None, help='default: checkpoint metadata or head size')
+    p.add_argument('--img-size', type=int, default=None, help='default: checkpoint metadata or model default')
+    p.add_argument('--crop-pct', type=float, default=None, help='default: as in training, else 0.875 (DeiT)')
+    p.add_argument('--batch-size', type=int, default=128)
+    p.add_argument('--workers', type=int, default=4)
+    p.add_argument('--device', default='', help="'' = cuda when available, else cpu")
+    p.add_argument('--amp', action='store_true', help='bfloat16 autocast on GPU')
+    p.add_argument('--cpu-threads', type=int, default=0)
+    p.add_argument('--output', default='', help='write the results here as JSON')
+    return p.parse_args(argv)
+
+
+def _parse_kwargs(pairs: List[str]) -> Dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition('=')
+        if not sep:
+            raise ConfigError(f"bad --model-kwargs entry '{pair}' (expected key=value)")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Build the model, load its weights, evaluate; returns the results dict (written to ``--output``)."""
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    dist_info = init_distributed(args.device)
+    try:
+        state, meta = read_weights(args.checkpoint, args.use_ema) if args.checkpoint else ({}, {})
+        name = args.model or meta.get('model_name', '')
+        if not name:
+            raise ConfigError('no --model given and the checkpoint does not record its model name')
+        kwargs = dict(meta.get('model_kwargs') or {}) if meta.get('model_name', name) == name else {}
+        kwargs.update(_parse_kwargs(args.model_kwargs))
+        num_classes = args.num_classes or kwargs.pop('num_classes', None)
+        kwargs.pop('num_classes', None)
+        if num_classes is None:
+            num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 1000
+        img_size = args.img_size or kwargs.pop('img_size', None)
+        kwargs.pop('img_size', None)
+        model = create_model(name, num_classes, img_size, 0.0, kwargs)
+        if state:
+            model.load_state_dict(state, strict=True)
+        model.to(dist_info.device)
+
+        data_cfg = meta.get('data_config')
+        if not data_cfg or args.img_size or args.crop_pct:
+            size = img_size or model.patch_embed.img_size[0]
+            data_cfg = eval_data_config(size, args.crop_pct or 0.875, model)
+        dataset = build_dataset(args.dataset, args.data_dir, args.split, is_training=False)
+        loader = build_eval_loader(dataset, data_cfg, args.batch_size, args.workers, dist_info)
+        metrics = evaluate(model, loader, dist_info, shard_size(len(dataset), dist_info),
+                           autocast_context(dist_info.device, args.amp, 'bfloat16'), progress=True)
+        results = {'model': name, 'model_kwargs': kwargs, 'checkpoint': args.checkpoint, 'use_ema': args.use_ema,
+                   'num_params': sum(p.numel() for p in model.parameters()), **metrics}
+        if dist_info.is_main:
+            print(f"{name}: top-1 {metrics['top1']:.2f} | top-5 {metrics['top5']:.2f} | loss {metrics['loss']:.4f} "
+                  f"| {metrics['img_per_s']:.0f} img/s | {metrics['num_samples']} images", flush=True)
+            if args.output:
+                os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+                with open(args.output, 'w') as f:
+                    json.dump(results, f, indent=2)
+        return results
+    finally:
+        cleanup_distributed()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2."""
+    try:
+        run(parse_args(argv))
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    return 0

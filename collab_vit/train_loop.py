@@ -1,0 +1,277 @@
+"""The training run, top to bottom: set-up from a :class:`TrainConfig`, the epoch loop, checkpoints, final export."""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2, param_groups_weight_decay
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3, NativeScaler, random_seed
+from torch.nn.parallel import DistributedDataParallel
+
+from .build import create_model, load_weights
+from .checkpoint import export_safetensors, load_checkpoint, prepare_run_dir, rng_state, save_checkpoint, set_rng_state
+from .config import ConfigError, TrainConfig, save_config
+from .data import (DataError, build_dataset, build_eval_loader, build_mixup, build_train_loader, eval_data_config,
+                   shard_size)
+from .distributed import DistInfo, barrier, broadcast_object, cleanup_distributed, init_distributed
+from .engine import autocast_context, evaluate, train_one_epoch
+from .logger import RunLogger
+
+NO_WEIGHT_DECAY_EXTRA = ('*.mixing',)  # collaborative attention's mixing matrix, besides timm's 1-D rule
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    """timm's weight-decay groups: no decay for 1-D params, ``model.no_weight_decay()`` and the mixing matrices."""
+    skip = set(getattr(model, 'no_weight_decay', lambda: set())()) | set(NO_WEIGHT_DECAY_EXTRA)
+    return param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)
+
+
+def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> int:
+    """The attention key/query dim of a ViT (``key_dim`` kwarg, the layer's attribute, ``_kNNN`` suffix, or D)."""
+    if 'key_dim' in model_kwargs:
+        return int(model_kwargs['key_dim'])
+    attn = getattr(getattr(model, 'blocks', [None])[0], 'attn', None)
+    if getattr(attn, 'key_dim', None):
+        return int(attn.key_dim)
+    match = re.search(r'_k(\d+)$', name)
+    return int(match.group(1)) if match else int(getattr(model, 'embed_dim', 0))
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def state_dict_sha256(state_dict: Dict[str, torch.Tensor]) -> str:
+    """A fingerprint of a model's weights (to check that DDP ranks agree)."""
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        digest.update(key.encode())
+        digest.update(state_dict[key].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _gather_rng(dist_info: DistInfo) -> list:
+    """Every rank's RNG state, in rank order (a list of one on a single process)."""
+    state = rng_state()
+    if not dist_info.distributed:
+        return [state]
+    states = [None] * dist_info.world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+def _check_on_rank0(fn, dist_info: DistInfo) -> None:
+    """Run ``fn`` on rank 0 and raise its ConfigError on every rank (so no rank hangs in a collective)."""
+    msg = None
+    if dist_info.is_main:
+        try:
+            fn()
+        except ConfigError as e:
+            msg = str(e)
+    msg = broadcast_object(msg)
+    if msg:
+        raise ConfigError(msg)
+
+
+def train(cfg: TrainConfig) -> Dict[str, Any]:
+    """Run (or resume) training as configured; returns the final summary (also printed on rank 0)."""
+    dist_info = init_distributed(cfg.device)
+    try:
+        return _train(cfg, dist_info)
+    finally:
+        cleanup_distributed()
+
+
+def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
+    device = dist_info.device
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    if cfg.deterministic:
+        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    random_seed(cfg.seed, dist_info.rank)
+
+    # run directory and resolved config
+    _check_on_rank0(lambda: prepare_run_dir(cfg.output, cfg.resume), dist_info)
+    if dist_info.is_main:
+        save_config(cfg, os.path.join(cfg.output, 'config.yaml'))
+    log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
+                    cfg.experiment, cfg.resume)
+
+    # data
+    if cfg.dataset == 'sklearn/digits' and dist_info.is_main:
+        build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, is_training=True)  # writes the PNGs once
+    barrier()
+    train_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, True, cfg.batch_size, cfg.seed)
+    val_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, False, cfg.batch_size, cfg.seed)
+    classes = getattr(getattr(train_set, 'reader', None), 'class_to_idx', None)
+    if classes and len(classes) > cfg.num_classes:
+        raise ConfigError(f'{cfg.data_dir} has {len(classes)} classes but num_classes is {cfg.num_classes}')
+
+    # model, EMA, optimizer, loss
+    model = create_model(cfg.model, cfg.num_classes, cfg.img_size, cfg.drop_path, cfg.model_kwargs)
+    if cfg.checkpoint and not cfg.resume:
+        load_weights(model, cfg.checkpoint, allow_new_head=True)
+    model.to(device)
+    num_params = sum(p.numel() for p in model.parameters())
+    data_cfg = eval_data_config(cfg.img_size, cfg.crop_pct, model)
+    global_batch = cfg.batch_size * dist_info.world_size * cfg.accum_steps
+    lr = cfg.lr * global_batch / cfg.lr_base_batch
+    opt_kwargs = {} if cfg.opt.lower().endswith(('sgd', 'momentum')) else {'eps': cfg.opt_eps}
+    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                                    param_group_fn=lambda m: param_groups(m, cfg.weight_decay), **opt_kwargs)
+    use_cuda_amp = cfg.amp and device.type == 'cuda'
+    loss_scaler = NativeScaler(device='cuda') if use_cuda_amp and cfg.amp_dtype in ('float16', 'fp16') else None
+    autocast = autocast_context(device, cfg.amp, cfg.amp_dtype)
+    model_ema = None
+    if cfg.model_ema:
+        model_ema = ModelEmaV3(model, decay=cfg.model_ema_decay, device='cpu' if cfg.model_ema_force_cpu else None)
+    if dist_info.distributed:
+        model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if device.type == 'cuda' else None)
+    prefetch = device.type == 'cuda'  # timm's GPU prefetcher path mixes in the collate function
+    mixup = build_mixup(cfg, fast=prefetch)
+    train_loader = build_train_loader(cfg, train_set, data_cfg, dist_info, collate_fn=mixup if prefetch else None)
+    val_loader = build_eval_loader(val_set, data_cfg, cfg.batch_size, cfg.num_workers, dist_info, cfg.pin_memory)
+    val_samples = shard_size(len(val_set), dist_info)
+    if len(train_loader) == 0:
+        raise DataError(f'{len(train_set)} training images in {os.path.abspath(cfg.data_dir)} make no full batch of '
+                        f'{cfg.batch_size} per process on {dist_info.world_size} process(es)')
+    if mixup is not None:
+        train_loss = SoftTargetCrossEntropy()
+    elif cfg.smoothing > 0:
+        train_loss = LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
+    else:
+        train_loss = torch.nn.CrossEntropyLoss()
+    updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
+    scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr,
+                                       warmup_lr=cfg.warmup_lr, warmup_epochs=cfg.warmup_epochs,
+                                       step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=updates_per_epoch)
+
+    # resume
+    start_epoch, num_updates, best_top1, best_epoch, rng_states = 0, 0, -1.0, -1, None
+    if cfg.resume:
+        ckpt = load_checkpoint(os.path.join(cfg.output, 'last.pth'))
+        _unwrap(model).load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(ckpt['optimizer'])
+        scheduler.load_state_dict(ckpt['scheduler'])
+        if loss_scaler is not None and ckpt.get('scaler'):
+            loss_scaler.load_state_dict(ckpt['scaler'])
+        if model_ema is not None and ckpt.get('model_ema') is not None:
+            model_ema.module.load_state_dict(ckpt['model_ema'])
+        start_epoch, num_updates = ckpt['epoch'] + 1, ckpt['step']
+        best_top1, best_epoch = ckpt['best_top1'], ckpt['best_epoch']
+        rng_states = ckpt['rng']
+        if cfg.sched_on_updates:
+            scheduler.step_update(num_updates)
+        else:
+            scheduler.step(start_epoch)
+        log.info(f'resumed {cfg.output} at epoch {start_epoch} (step {num_updates})')
+
+    model_kwargs = {**cfg.model_kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes}
+    key_dim = key_dim_of(_unwrap(model), cfg.model, cfg.model_kwargs)
+    log.info(f'{cfg.model} (key dim {key_dim}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
+             f'{device.type}: {len(train_set)} train / {len(val_set)} val images, global batch {global_batch}, '
+             f'lr {lr:.3g}, {cfg.epochs} epochs')
+    if rng_states is not None:  # last thing before the loop, so nothing above shifts the streams
+        if len(rng_states) == dist_info.world_size:
+            set_rng_state(rng_states[dist_info.rank])
+        else:
+            log.info(f'warning: checkpoint has RNG states for {len(rng_states)} ranks, running on '
+                     f'{dist_info.world_size}: RNG streams are not restored')
+
+    metrics: Dict[str, float] = {}
+    epochs_run = 0
+    for epoch in range(start_epoch, cfg.epochs):
+        start = time.perf_counter()
+        if hasattr(train_loader.sampler, 'set_epoch'):
+            train_loader.sampler.set_epoch(epoch)
+        record, num_updates = train_one_epoch(
+            model, train_loader, optimizer, train_loss, dist_info, epoch, num_updates, scheduler=scheduler,
+            sched_on_updates=cfg.sched_on_updates, accum_steps=cfg.accum_steps, clip_grad=cfg.clip_grad,
+            clip_mode=cfg.clip_mode, mixup_fn=None if prefetch else mixup, autocast=autocast,
+            loss_scaler=loss_scaler, model_ema=model_ema, progress=cfg.progress)
+        if not cfg.sched_on_updates:
+            scheduler.step(epoch + 1)
+        is_last = epoch + 1 == cfg.epochs
+        if is_last or (epoch + 1) % max(cfg.eval_every, 1) == 0:
+            metrics = evaluate(model, val_loader, dist_info, val_samples, autocast)
+            record.update(top1=metrics['top1'], top5=metrics['top5'], val_loss=metrics['loss'])
+            if model_ema is not None:
+                ema_metrics = evaluate(model_ema.module, val_loader, dist_info, val_samples, autocast)
+                record.update(ema_top1=ema_metrics['top1'], ema_top5=ema_metrics['top5'])
+        is_best = 'top1' in record and record['top1'] > best_top1
+        if is_best:
+            best_top1, best_epoch = record['top1'], epoch
+        record.update(epoch=epoch, step=num_updates, epoch_time=time.perf_counter() - start)
+
+        rng_all = _gather_rng(dist_info)
+        if dist_info.is_main:
+            state = {
+                'model': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
+                'scheduler': scheduler.state_dict(), 'scaler': loss_scaler.state_dict() if loss_scaler else None,
+                'model_ema': model_ema.module.state_dict() if model_ema is not None else None,
+                'epoch': epoch, 'step': num_updates, 'best_top1': best_top1, 'best_epoch': best_epoch,
+                'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model, 'model_kwargs': model_kwargs,
+                'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()},
+                'metrics': record,
+            }
+            save_checkpoint(state, os.path.join(cfg.output, 'last.pth'))
+            if is_best:
+                save_checkpoint(state, os.path.join(cfg.output, 'best.pth'))
+            if cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
+                save_checkpoint(state, os.path.join(cfg.output, f'epoch_{epoch:04d}.pth'))
+        log.log_epoch(record)
+        epochs_run += 1
+        if cfg.stop_after and epochs_run >= cfg.stop_after and not is_last:
+            log.info(f'stopping after {epochs_run} epoch(s) as asked (stop_after); continue with --resume')
+            log.finish()
+            return {'stopped_at_epoch': epoch, 'output': cfg.output}
+
+    summary = {'model': cfg.model, 'key_dim': key_dim, 'params': num_params, 'top1': metrics.get('top1'),
+               'top5': metrics.get('top5'), 'best_top1': best_top1, 'best_epoch': best_epoch, 'output': cfg.output,
+               'rank': dist_info.rank, 'weights_sha256': state_dict_sha256(_unwrap(model).state_dict())}
+    if dist_info.is_main:
+        extra = {'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()},
+                 'metrics': {k: summary[k] for k in ('top1', 'top5')}}
+        export_safetensors(_unwrap(model).state_dict(), os.path.join(cfg.output, 'model.safetensors'), cfg.model,
+                           model_kwargs, extra)
+        if model_ema is not None:
+            export_safetensors(model_ema.module.state_dict(), os.path.join(cfg.output, 'model_ema.safetensors'),
+                               cfg.model, model_kwargs, extra)
+        log.info(format_summary(summary))
+    log.finish(summary)
+    return summary
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    """A small results table: model, key dim, params, final and best top-1."""
+    top1 = 'n/a' if s['top1'] is None else f"{s['top1']:.2f}"
+    rows = [('model', 'key dim', 'params', 'top-1', 'best top-1'),
+            (s['model'], str(s['key_dim']), f"{s['params'] / 1e6:.2f}M", top1, f"{s['best_top1']:.2f}")]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [' | '.join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, '-+-'.join('-' * w for w in widths))
+    return '\n'.join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Console entry: ``train.py -c CONFIG [--key value ...]``; config and data errors are one line, exit 2."""
+    import sys
+    from .config import parse_train_args
+    from .data import DataError
+    try:
+        cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
+        train(cfg)
+    except (ConfigError, DataError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,87 @@
+"""eval.py reproduces the top-1 recorded during training from every checkpoint format, on 1 and 2 processes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from collab_vit.evaluate import main as eval_main
+
+from tinyrun import ROOT, TINY_KWARGS, TINY_MODEL, make_image_folder, tiny_overrides, to_flags
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A tiny model trained for 2 epochs by ``train.py`` on an ImageFolder with 15 val images (odd: DDP pads)."""
+    tmp = tmp_path_factory.mktemp('eval')
+    data = make_image_folder(tmp / 'data', val_per_class=5, seed=1)
+    out = tmp / 'run'
+    flags = to_flags(tiny_overrides(data, str(out), model_ema=True, model_ema_decay=0.5, mixup=0.0, cutmix=0.0))
+    proc = subprocess.run([sys.executable, 'train.py', *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'top-1' in proc.stdout and TINY_MODEL in proc.stdout  # epoch lines and the final table
+    log = [json.loads(line) for line in open(out / 'log.jsonl')]
+    return data, out, log[-1]
+
+
+def _eval(tmp_path, *args):
+    res = tmp_path / 'results.json'
+    assert eval_main([*args, '--workers', '0', '--batch-size', '4', '--cpu-threads', '1', '--output', str(res)]) == 0
+    return json.loads(res.read_text())
+
+
+def test_eval_training_checkpoint(trained, tmp_path):
+    data, out, last = trained
+    r = _eval(tmp_path, '--checkpoint', str(out / 'last.pth'), '--data-dir', data)
+    assert r['num_samples'] == 15 and r['model'] == TINY_MODEL
+    assert r['top1'] == last['top1'] and r['top5'] == last['top5']
+    assert r['loss'] == pytest.approx(last['val_loss'], rel=1e-5)
+
+
+def test_eval_ema_weights(trained, tmp_path):
+    data, out, last = trained
+    r = _eval(tmp_path, '--checkpoint', str(out / 'last.pth'), '--use-ema', '--data-dir', data)
+    assert r['top1'] == last['ema_top1']
+
+
+def test_eval_safetensors_export(trained, tmp_path):
+    data, out, last = trained
+    with safe_open(str(out / 'model.safetensors'), framework='pt') as f:
+        meta = f.metadata()
+    assert meta['model_name'] == TINY_MODEL
+    assert json.loads(meta['model_kwargs']) == {**TINY_KWARGS, 'img_size': 32, 'num_classes': 3}
+    r = _eval(tmp_path, '--checkpoint', str(out / 'model.safetensors'), '--data-dir', data)  # no --model needed
+    assert r['top1'] == last['top1']
+
+
+def test_eval_plain_timm_pth(trained, tmp_path):
+    data, out, last = trained
+    plain = tmp_path / 'plain.pth'
+    torch.save({'model': load_file(str(out / 'model.safetensors'))}, plain)  # DeiT's release format
+    kwargs = [f'{k}={v}' for k, v in TINY_KWARGS.items()]
+    r = _eval(tmp_path, '--model', TINY_MODEL, '--model-kwargs', *kwargs, '--img-size', '32', '--checkpoint',
+              str(plain), '--data-dir', data)
+    assert r['top1'] == last['top1']
+
+
+def test_eval_torchrun_two_processes(trained, tmp_path):
+    data, out, last = trained
+    res = tmp_path / 'ddp.json'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           'eval.py', '--checkpoint', str(out / 'last.pth'), '--data-dir', data, '--workers', '0',
+                           '--batch-size', '4', '--output', str(res)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(res.read_text())
+    assert r['num_samples'] == 15 and r['top1'] == last['top1']  # padding of the 15 images is not counted
+
+
+def test_eval_missing_checkpoint(trained, tmp_path, capsys):
+    data, _, _ = trained
+    assert eval_main(['--checkpoint', str(tmp_path / 'none.pth'), '--data-dir', data]) == 2
+    assert f'checkpoint not found: {tmp_path / "none.pth"}' in capsys.readouterr().err
