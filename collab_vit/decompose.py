@@ -1,0 +1,547 @@
+"""Tensor decompositions that turn standard multi-head attention into collaborative attention.
+
+Paper: Cordonnier, Loukas, Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (arXiv 2006.16362).
+
+Section 3.3 stacks the per-head bilinear forms of a standard layer into a 3-way tensor ``T`` of shape
+``(Nh, D, D)``, ``T[i] = Wq_i Wk_i^T``, and reads a collaborative layer off a rank-``R`` CP decomposition
+
+    T[i] ~ sum_r M[i, r] * outer(W~q[:, r], W~k[:, r]) = W~q diag(M[i]) W~k^T,
+
+with shared projections ``W~q, W~k`` (``D x R``) and mixing matrix ``M`` (``Nh x R``). It is exact for
+``R >= Nh * dh`` (the "concatenate" construction). Notation: ``wq``, ``wk`` hold the per-head factors,
+shape ``(Nh, D, dh)``, so that ``T[i] = wq[i] @ wk[i].T``.
+
+The tensor is never formed: every slice is a product of two ``D x dh`` matrices, so all ALS contractions
+(MTTKRP, Gram matrices, mode projections) cost ``O(Nh * D * dh * R)`` and use a handful of GEMMs with the
+concatenated factors ``Wq = [wq_0 .. wq_{Nh-1}]`` (``D x Nh*dh``). ``dense_tensor`` exists for tests only.
+
+Two routes, both ending in a ``Decomposition``:
+
+* ``cp_decompose``: CP-ALS on the full factored tensor.
+* ``tucker_decompose``: compress-then-decompose. ``Uq, Uk`` span the leading ``R``-dim query / key subspaces,
+  the core ``G[i] = Uq^T T[i] Uk`` (kept factored as ``(Uq^T wq_i)(Uk^T wk_i)^T``) gets a rank-``R`` CP,
+  and ``W~q = Uq A``, ``W~k = Uk B``, ``M = C``.
+
+Measurements: see ``benchmarks/decompose_bench.py`` and the table at the end of this docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Decomposition",
+    "split_qkv_heads",
+    "dense_tensor",
+    "exact_decomposition",
+    "cp_decompose",
+    "tucker_decompose",
+    "relative_error",
+    "energy_spectrum",
+    "rank_for_energy",
+]
+
+# Below this relative error the Gram-matrix formula ||T||^2 - 2<T,T~> + ||T~||^2 has lost most of its
+# digits to cancellation (its floor is ~sqrt(eps) ~ 1e-8 in float64), so the residual is re-evaluated
+# slice by slice from QR factors (floor ~eps).
+_STABLE_BELOW = 1e-4
+
+
+@dataclass
+class Decomposition:
+    """Rank-R CP form of the stacked bilinear forms: ``T[i] ~ query @ diag(mixing[i]) @ key.T``.
+
+    Attributes:
+        query: Shared query projection W~q, shape (D, R).
+        key: Shared key projection W~k, shape (D, R).
+        mixing: Mixing matrix M, shape (Nh, R).
+        relative_error: ``||T - T~||_F / ||T||_F`` of the returned factors, computed without forming T.
+        iterations: ALS iterations run (0 for the exact construction).
+    """
+
+    query: Tensor
+    key: Tensor
+    mixing: Tensor
+    relative_error: float
+    iterations: int
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_factors(wq: Tensor, wk: Tensor) -> None:
+    if not isinstance(wq, Tensor) or not isinstance(wk, Tensor):
+        raise ValueError("wq and wk must be torch tensors")
+    if wq.dim() != 3:
+        raise ValueError(f"wq must be 3-D (Nh, D, dh), got shape {tuple(wq.shape)}")
+    if wk.shape != wq.shape:
+        raise ValueError(f"wk shape {tuple(wk.shape)} does not match wq shape {tuple(wq.shape)}")
+    if not wq.is_floating_point() or not wk.is_floating_point():
+        raise ValueError(f"wq and wk must be floating point, got {wq.dtype} and {wk.dtype}")
+    if wq.numel() == 0:
+        raise ValueError(f"wq must be non-empty, got shape {tuple(wq.shape)}")
+
+
+def _check_rank(rank: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank <= 0:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+
+
+def _check_als_args(max_iter: int, tol: float, dtype: torch.dtype) -> None:
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 0:
+        raise ValueError(f"max_iter must be an int >= 0, got {max_iter!r}")
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
+        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def split_qkv_heads(qkv_weight: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """Per-head query and key factors from a timm ``attn.qkv.weight`` of shape (3D, D).
+
+    Rows ``[0:D]`` are the queries and ``[D:2D]`` the keys; head i owns rows ``i*dh:(i+1)*dh`` of each block.
+
+    Args:
+        qkv_weight: The fused qkv Linear weight, shape (3D, D).
+        num_heads: Number of heads Nh; must divide D.
+
+    Returns:
+        ``(wq, wk)``, each of shape (Nh, D, dh) with ``wq[i] = W[i*dh:(i+1)*dh].T`` (views of ``qkv_weight``).
+    """
+    if not isinstance(qkv_weight, Tensor) or qkv_weight.dim() != 2:
+        raise ValueError(f"qkv_weight must be a 2-D tensor of shape (3D, D), got {getattr(qkv_weight, 'shape', None)}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    three_d, d = qkv_weight.shape
+    if three_d != 3 * d:
+        raise ValueError(f"qkv_weight must have shape (3D, D), got {tuple(qkv_weight.shape)}")
+    if d % num_heads:
+        raise ValueError(f"num_heads={num_heads} does not divide the embedding dim D={d}")
+    dh = d // num_heads
+    wq = qkv_weight[:d].reshape(num_heads, dh, d).transpose(1, 2)
+    wk = qkv_weight[d : 2 * d].reshape(num_heads, dh, d).transpose(1, 2)
+    return wq, wk
+
+
+def dense_tensor(wq: Tensor, wk: Tensor) -> Tensor:
+    """The dense (Nh, D, D) tensor ``T[i] = wq[i] @ wk[i].T`` (section 3.3). For tests and references only."""
+    _check_factors(wq, wk)
+    return wq @ wk.transpose(1, 2)
+
+
+def _concat(w: Tensor) -> Tensor:
+    """(Nh, D, dh) -> (D, Nh*dh), heads side by side: the concatenated projection of section 3.1."""
+    nh, d, dh = w.shape
+    return w.permute(1, 0, 2).reshape(d, nh * dh)
+
+
+def _unfolding_factor(wa: Tensor, wb: Tensor) -> Tensor:
+    """A (D, Nh*min(D,dh)) matrix with the left singular vectors/values of the unfolding ``[T_0 .. T_{Nh-1}]``.
+
+    With ``wb_i = O_i R_i`` (QR), ``T_i = wa_i R_i^T O_i^T`` and ``O_i`` has orthonormal columns, so the
+    unfolding and ``[wa_i R_i^T]_i`` share left singular vectors and singular values.
+    """
+    r = torch.linalg.qr(wb, mode="r").R  # (Nh, min(D, dh), dh)
+    return _concat(wa @ r.transpose(1, 2))
+
+
+def _leading_subspace(wa: Tensor, wb: Tensor, rank: int) -> Tensor:
+    """Orthonormal (D, min(rank, D, Nh*dh)) basis of the leading mode subspace of T (truncated HOSVD)."""
+    u, sv, _ = torch.linalg.svd(_unfolding_factor(wa, wb), full_matrices=False)
+    keep = int((sv > sv[0] * max(u.shape) * torch.finfo(sv.dtype).eps).sum()) if sv.numel() and sv[0] > 0 else 1
+    return u[:, : max(1, min(rank, keep))]  # numerically null directions carry nothing: dropped
+
+
+def _total_normsq(wq: Tensor, wk: Tensor) -> Tensor:
+    """||T||_F^2 = sum_i tr((wq_i^T wq_i)(wk_i^T wk_i))."""
+    gq = wq.transpose(1, 2) @ wq
+    gk = wk.transpose(1, 2) @ wk
+    return (gq * gk).sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# error
+
+
+def _stable_residual_normsq(wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, mixing: Tensor) -> Tensor:
+    """sum_i ||wq_i wk_i^T - Q diag(M_i) K^T||_F^2 from per-slice QR factors; accurate to ~eps relative.
+
+    Slice residual ``E_i = [wq_i, Q diag(M_i)] [wk_i, -K]^T``; with R-factors ``Ra, Rb`` of the two
+    ``D x (dh + s_i)`` blocks (``s_i`` = support of ``M_i``), ``||E_i|| = ||Ra Rb^T||``. Cost O(Nh D (dh + R)^2).
+    """
+    total = wq.new_zeros(())
+    for i in range(wq.shape[0]):
+        idx = mixing[i].nonzero().flatten()
+        a = torch.cat([wq[i], query[:, idx] * mixing[i, idx]], dim=1)
+        b = torch.cat([wk[i], -key[:, idx]], dim=1)
+        ra = torch.linalg.qr(a, mode="r").R
+        rb = torch.linalg.qr(b, mode="r").R
+        total = total + (ra @ rb.T).square().sum()
+    return total
+
+
+def _relative_error(
+    wq: Tensor,
+    wk: Tensor,
+    query: Tensor,
+    key: Tensor,
+    mixing: Tensor,
+    normsq: Tensor,
+    inner: Tensor | None = None,
+    grams: tuple[Tensor, Tensor] | None = None,
+) -> float:
+    """Relative error from Gram matrices, falling back to the stable slice-wise residual when it is small.
+
+    ``||T~||^2 = sum((Q^T Q) * (K^T K) * (M^T M))`` and ``<T, T~> = sum_{i,r} M[i,r] (wq_i^T Q)[:, r] . (wk_i^T K)[:, r]``.
+    """
+    if normsq <= 0:
+        return 0.0 if not bool(mixing.any()) else math.inf
+    if inner is None:
+        nh, _, dh = wq.shape
+        pq = (_concat(wq).T @ query).reshape(nh, dh, -1)
+        pk = (_concat(wk).T @ key).reshape(nh, dh, -1)
+        inner = (mixing * (pq * pk).sum(1)).sum()
+    gq, gk = grams if grams is not None else (query.T @ query, key.T @ key)
+    approx = (gq * gk * (mixing.T @ mixing)).sum()
+    err2 = float((normsq - 2 * inner + approx) / normsq)
+    if err2 < _STABLE_BELOW**2:
+        err2 = float(_stable_residual_normsq(wq, wk, query, key, mixing) / normsq)
+    return math.sqrt(max(err2, 0.0))
+
+
+@torch.no_grad()
+def relative_error(wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, mixing: Tensor) -> float:
+    """``||T - T~||_F / ||T||_F`` for ``T~[i] = query @ diag(mixing[i]) @ key.T``, without forming T (float64).
+
+    Uses ``||T||^2``, ``<T, T~>`` and ``||T~||^2`` from small Gram matrices (O(Nh D dh R)); when the result is
+    below 1e-4, where that formula loses its digits to cancellation, it is recomputed from per-slice QR factors.
+    """
+    _check_factors(wq, wk)
+    nh, d, _ = wq.shape
+    if query.dim() != 2 or query.shape[0] != d or key.shape != query.shape:
+        raise ValueError(f"query and key must both have shape (D={d}, R), got {tuple(query.shape)}, {tuple(key.shape)}")
+    if mixing.shape != (nh, query.shape[1]):
+        raise ValueError(f"mixing must have shape (Nh={nh}, R={query.shape[1]}), got {tuple(mixing.shape)}")
+    f64 = dict(dtype=torch.float64)
+    wq, wk = wq.to(**f64), wk.to(**f64)
+    return _relative_error(wq, wk, query.to(**f64), key.to(**f64), mixing.to(**f64), _total_normsq(wq, wk))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exact construction
+
+
+@torch.no_grad()
+def exact_decomposition(wq: Tensor, wk: Tensor, rank: int) -> Decomposition:
+    """The "concatenate" construction, exact for ``rank >= Nh * dh`` (section 3.3).
+
+    ``W~q = [wq_0 .. wq_{Nh-1}]``, ``W~k`` likewise, ``M[i]`` the indicator of head i's ``dh`` columns; columns
+    beyond ``Nh * dh`` are zero.
+    """
+    _check_factors(wq, wk)
+    _check_rank(rank)
+    nh, d, dh = wq.shape
+    n = nh * dh
+    if rank < n:
+        raise ValueError(f"rank must be >= Nh*dh = {n} for the exact construction, got {rank}")
+    query = wq.new_zeros(d, rank)
+    key = wk.new_zeros(d, rank)
+    mixing = wq.new_zeros(nh, rank)
+    query[:, :n] = _concat(wq)
+    key[:, :n] = _concat(wk)
+    for i in range(nh):
+        mixing[i, i * dh : (i + 1) * dh] = 1
+    err = relative_error(wq, wk, query, key, mixing)
+    return Decomposition(query, key, mixing, err, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CP-ALS on the factored tensor
+
+
+def _solve_sym(rhs: Tensor, gram: Tensor, ridge: float) -> Tensor:
+    """``rhs @ inv(gram + ridge * mean(diag) * I)`` for a symmetric PSD ``gram`` (the ALS normal equations)."""
+    lam = ridge * gram.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny)
+    g = gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    chol, info = torch.linalg.cholesky_ex(g)
+    if int(info) == 0:
+        return torch.cholesky_solve(rhs.T, chol).T
+    return rhs @ torch.linalg.pinv(g, hermitian=True)
+
+
+def _normalise_columns(x: Tensor) -> Tensor:
+    return x / x.norm(dim=0).clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def _cp_als(
+    wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, max_iter: int, tol: float, history: list | None = None,
+    extrapolate: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, int, float]:
+    """CP-ALS on ``T[i] = wq_i wk_i^T`` from a start (query, key); returns (query, key, mixing, iterations, error).
+
+    Mode updates solve the normal equations of section 3.3's CP objective with the MTTKRPs computed from
+    the factors, e.g. for the query factor ``sum_i wq_i ((wk_i^T K) * M_i) [(M^T M) * (K^T K)]^{-1}``.
+    Stops when the relative change of the error falls below ``tol``, or after ``max_iter`` sweeps.
+    """
+    nh, _, dh = wq.shape
+    rank = query.shape[1]
+    ridge = 100 * torch.finfo(wq.dtype).eps
+    cq, ck = _concat(wq), _concat(wk)
+    normsq = _total_normsq(wq, wk)
+    if normsq <= 0:
+        return query, key, query.new_zeros(nh, rank), 0, 0.0
+
+    query, key = _normalise_columns(query), _normalise_columns(key)
+    pq = (cq.T @ query).reshape(nh, dh, rank)
+    pk = (ck.T @ key).reshape(nh, dh, rank)
+    gq, gk = query.T @ query, key.T @ key
+    mttkrp_m = (pq * pk).sum(1)
+    mixing = _solve_sym(mttkrp_m, gq * gk, ridge)
+    err = _relative_error(wq, wk, query, key, mixing, normsq, (mixing * mttkrp_m).sum(), (gq, gk))
+
+    it, rejected = 0, 0
+    for it in range(1, max_iter + 1):
+        q_prev, k_prev, pq_prev, pk_prev = query, key, pq, pk
+        gm = mixing.T @ mixing
+        query = _solve_sym(cq @ (pk * mixing[:, None, :]).reshape(nh * dh, rank), gm * gk, ridge)
+        query = _normalise_columns(query)
+        pq = (cq.T @ query).reshape(nh, dh, rank)
+        gq = query.T @ query
+        key = _solve_sym(ck @ (pq * mixing[:, None, :]).reshape(nh * dh, rank), gm * gq, ridge)
+        key = _normalise_columns(key)
+        pk = (ck.T @ key).reshape(nh, dh, rank)
+        gk = key.T @ key
+        mttkrp_m = (pq * pk).sum(1)
+        mixing = _solve_sym(mttkrp_m, gq * gk, ridge)
+        prev, err = err, _relative_error(wq, wk, query, key, mixing, normsq, (mixing * mttkrp_m).sum(), (gq, gk))
+        if extrapolate and it > 1:
+            # Line search (Bro 1998): jump along the last sweep's step, keep the jump if it fits better.
+            step = it ** (1.0 / (3 + rejected)) - 1
+            q_x, k_x = query + step * (query - q_prev), key + step * (key - k_prev)
+            pq_x, pk_x = pq + step * (pq - pq_prev), pk + step * (pk - pk_prev)
+            gq_x, gk_x = q_x.T @ q_x, k_x.T @ k_x
+            mttkrp_x = (pq_x * pk_x).sum(1)
+            m_x = _solve_sym(mttkrp_x, gq_x * gk_x, ridge)
+            err_x = _relative_error(wq, wk, q_x, k_x, m_x, normsq, (m_x * mttkrp_x).sum(), (gq_x, gk_x))
+            if err_x < err:
+                query, key, pq, pk, gq, gk, mixing, err = q_x, k_x, pq_x, pk_x, gq_x, gk_x, m_x, err_x
+            else:
+                rejected += 1
+        if history is not None:
+            history.append(err)
+        if err == 0.0 or abs(prev - err) <= tol * prev:
+            break
+    return query, key, mixing, it, err
+
+
+def _finalise(query: Tensor, key: Tensor, mixing: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Canonical scaling and order: each mixing column has max-abs entry +1, ``||W~q[:, r]|| = ||W~k[:, r]||``,
+    components sorted by decreasing weight ``||q_r|| ||k_r|| max|m_r|`` (zero components last)."""
+    nq, nk = query.norm(dim=0), key.norm(dim=0)
+    piv = mixing.gather(0, mixing.abs().argmax(0, keepdim=True)).squeeze(0)
+    weight = nq * nk * piv.abs()
+    live = weight > 0
+    safe = torch.where(live, piv, torch.ones_like(piv))
+    scale = torch.where(live, weight.sqrt(), torch.zeros_like(weight))
+    tiny = torch.finfo(query.dtype).tiny
+    query = query / nq.clamp_min(tiny) * scale * safe.sign()
+    key = key / nk.clamp_min(tiny) * scale
+    mixing = torch.where(live, mixing / safe, torch.zeros_like(mixing))
+    order = torch.argsort(weight, descending=True, stable=True)
+    return query[:, order], key[:, order], mixing[:, order]
+
+
+def _headwise_start(wq: Tensor, wk: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """The best rank-R CP with one-hot mixing: the R largest singular triplets over all slices T_i."""
+    oq, rq = torch.linalg.qr(wq)
+    ok, rk = torch.linalg.qr(wk)
+    u, s, vh = torch.linalg.svd(rq @ rk.transpose(1, 2))
+    uq, vk = oq @ u, ok @ vh.transpose(1, 2)  # (Nh, D, c) singular vectors of each slice
+    c = s.shape[1]
+    top = torch.argsort(s.flatten(), descending=True, stable=True)[:rank]
+    head, j = top // c, top % c
+    root = s[head, j].sqrt()
+    query, key = uq[head, :, j].T * root, vk[head, :, j].T * root
+    if rank > top.numel():  # more components than slice singular triplets: pad with zero columns
+        query = torch.cat([query, query.new_zeros(query.shape[0], rank - top.numel())], 1)
+        key = torch.cat([key, key.new_zeros(key.shape[0], rank - top.numel())], 1)
+    return query, key
+
+
+def _gevd_start(wa: Tensor, wb: Tensor, rank: int) -> tuple[Tensor, Tensor] | None:
+    """Simultaneous-diagonalisation (GEVD, Jennrich) start for a small square core ``G_i = wa_i wb_i^T`` (p x p).
+
+    With two head-mode combinations ``S1 = A D1 B^T``, ``S2 = A D2 B^T``: ``S2 S1^{-1} = A (D2/D1) A^{-1}`` and
+    ``(S1^{-1} S2)^T = B (D2/D1) B^{-1}``, exact when the core has CP rank p. Returns None if not applicable.
+    """
+    nh, p, _ = wa.shape
+    if nh < 2 or wb.shape[1] != p or p > rank:
+        return None
+    g = wa @ wb.transpose(1, 2)
+    w = torch.randn(nh, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(g)  # Jennrich
+    s1, s2 = torch.einsum("i,ide->de", w[:, 0], g), torch.einsum("i,ide->de", w[:, 1], g)
+    try:
+        la, va = torch.linalg.eig(torch.linalg.solve(s1.T, s2.T).T)
+        lb, vb = torch.linalg.eig(torch.linalg.solve(s1, s2).T)
+    except RuntimeError:  # singular S1
+        return None
+    a = va[:, torch.argsort(la.real, stable=True)].real
+    b = vb[:, torch.argsort(lb.real, stable=True)].real
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    pad = a.new_zeros(p, rank - p)
+    return torch.cat([a, pad], 1), torch.cat([b, pad], 1)
+
+
+def _best_start(wq: Tensor, wk: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """Head-wise SVD start or, when it fits better after solving the mixing, the GEVD start of the Tucker core."""
+    starts = [_headwise_start(wq, wk, rank)]
+    uq, uk = _leading_subspace(wq, wk, rank), _leading_subspace(wk, wq, rank)
+    gevd = _gevd_start(uq.T @ wq, uk.T @ wk, rank)
+    if gevd is not None:
+        starts.append((uq @ gevd[0], uk @ gevd[1]))
+    return min(starts, key=lambda s: _cp_als(wq, wk, s[0], s[1], 0, 1.0)[3])
+
+
+def _random_start(wq: Tensor, wk: Tensor, rank: int, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    d = wq.shape[1]
+    q = torch.randn(d, rank, generator=gen, dtype=torch.float64)
+    k = torch.randn(d, rank, generator=gen, dtype=torch.float64)
+    return q.to(wq), k.to(wk)
+
+
+def _result(
+    wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, mixing: Tensor, iterations: int, out_dtype: torch.dtype
+) -> Decomposition:
+    query, key, mixing = (x.to(out_dtype) for x in _finalise(query, key, mixing))
+    return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), iterations)
+
+
+@torch.no_grad()
+def cp_decompose(
+    wq: Tensor,
+    wk: Tensor,
+    rank: int,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-6,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    init: str = "svd",
+) -> Decomposition:
+    """Rank-``rank`` CP decomposition of ``T[i] = wq[i] wk[i]^T`` by ALS (section 3.3), never forming T.
+
+    Args:
+        wq: Per-head query factors, shape (Nh, D, dh).
+        wk: Per-head key factors, same shape.
+        rank: Collaborative key/query dim ``D~k``. ``rank >= Nh*dh`` returns ``exact_decomposition``.
+        max_iter: Maximum ALS sweeps.
+        tol: Stop when the relative change of the relative error between sweeps is below ``tol``.
+        seed: Seed of the random start (``init="random"``).
+        dtype: Compute dtype; the factors are returned in the dtype of ``wq``.
+        init: ``"svd"`` (leading singular vectors of the query/key unfoldings, mixing by least squares) or
+            ``"random"`` (Gaussian query/key, mixing by least squares).
+
+    Returns:
+        The decomposition; ``relative_error`` is that of the returned (cast) factors.
+    """
+    _check_factors(wq, wk)
+    _check_rank(rank)
+    _check_als_args(max_iter, tol, dtype)
+    if init not in ("svd", "random"):
+        raise ValueError(f"init must be 'svd' or 'random', got {init!r}")
+    nh, _, dh = wq.shape
+    if rank >= nh * dh:
+        return exact_decomposition(wq, wk, rank)
+    a, b = wq.to(dtype), wk.to(dtype)
+    q0, k0 = _best_start(a, b, rank) if init == "svd" else _random_start(a, b, rank, seed)
+    query, key, mixing, it, _ = _cp_als(a, b, q0, k0, max_iter, tol)
+    return _result(wq, wk, query, key, mixing, it, wq.dtype)
+
+
+@torch.no_grad()
+def tucker_decompose(
+    wq: Tensor,
+    wk: Tensor,
+    rank: int,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-6,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> Decomposition:
+    """Compress-then-decompose: Tucker ``(Nh, R, R)`` then a rank-``R`` CP of the core (section 3.3).
+
+    ``Uq, Uk`` are the leading ``R`` left singular vectors of the query- and key-mode unfoldings of T (computed
+    from the factors), the core ``G[i] = Uq^T T[i] Uk = (Uq^T wq_i)(Uk^T wk_i)^T`` stays factored, its CP
+    ``(A, B, C)`` comes from the same ALS as ``cp_decompose`` in R dims, and ``W~q = Uq A``, ``W~k = Uk B``,
+    ``M = C``. Arguments as ``cp_decompose``; ``seed`` is unused (the route is deterministic).
+    """
+    _check_factors(wq, wk)
+    _check_rank(rank)
+    _check_als_args(max_iter, tol, dtype)
+    nh, _, dh = wq.shape
+    if rank >= nh * dh:
+        return exact_decomposition(wq, wk, rank)
+    a, b = wq.to(dtype), wk.to(dtype)
+    uq = _leading_subspace(a, b, rank)
+    uk = _leading_subspace(b, a, rank)
+    ca, cb = uq.T @ a, uk.T @ b  # core factors, (Nh, r', dh)
+    core_q, core_k, mixing, it, _ = _cp_als(ca, cb, *_best_start(ca, cb, rank), max_iter, tol)
+    return _result(wq, wk, uq @ core_q, uk @ core_k, mixing, it, wq.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# spectrum (section 3.1)
+
+
+@torch.no_grad()
+def energy_spectrum(wq: Tensor, wk: Tensor) -> tuple[Tensor, Tensor]:
+    """Normalised cumulative energy of the query-side and key-side spectra of the layer (section 3.1).
+
+    Section 3.1 shows that the heads' concatenated key/query projections are low rank. We take the spectra of
+    the query- and key-mode unfoldings of T, i.e. of the concatenated products ``[wq_0 wk_0^T .. ]`` and
+    ``[wk_0 wq_0^T .. ]``, rather than of the raw concatenations ``[wq_0 .. ]``: they span the same column
+    space, but only the products are invariant to ``wq_i -> wq_i A_i, wk_i -> wk_i A_i^{-T}``, which leaves the
+    attention logits unchanged, and ``1 - E(R)`` is exactly the fraction of ``||T||^2`` lost by projecting that
+    mode onto its top-R subspace (what ``tucker_decompose`` does). Energy is the squared singular value.
+
+    Returns:
+        ``(query_energy, key_energy)``: float64, non-decreasing, length ``min(D, Nh*dh)``, last entry 1 (all
+        ones for a zero tensor).
+    """
+    _check_factors(wq, wk)
+    a, b = wq.to(torch.float64), wk.to(torch.float64)
+
+    def cumulative(x: Tensor) -> Tensor:
+        e = torch.linalg.svdvals(x).square()[: min(x.shape)]
+        total = e.sum()
+        return torch.ones_like(e) if total <= 0 else (e.cumsum(0) / total).clamp_max(1.0)
+
+    return cumulative(_unfolding_factor(a, b)), cumulative(_unfolding_factor(b, a))
+
+
+def rank_for_energy(cumulative_energy: Tensor, threshold: float) -> int:
+    """Smallest r with ``cumulative_energy[r - 1] >= threshold`` (1e-12 slack for rounding).
+
+    Args:
+        cumulative_energy: 1-D non-decreasing normalised cumulative energy, e.g. from ``energy_spectrum``.
+        threshold: Energy fraction in (0, 1].
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+    if not isinstance(cumulative_energy, Tensor) or cumulative_energy.dim() != 1 or cumulative_energy.numel() == 0:
+        raise ValueError("cumulative_energy must be a non-empty 1-D tensor")
+    below = int((cumulative_energy.double() < threshold - 1e-12).sum())
+    return min(below + 1, cumulative_energy.numel())
