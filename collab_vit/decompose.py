@@ -410,7 +410,7 @@ def _best_start(wq: Tensor, wk: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     gevd = _gevd_start(uq.T @ wq, uk.T @ wk, rank)
     if gevd is not None:
         starts.append((uq @ gevd[0], uk @ gevd[1]))
-    return min(starts, key=lambda s: _cp_als(wq, wk, s[0], s[1], 0, 1.0)[3])
+    return min(starts, key=lambda s: _cp_als(wq, wk, s[0], s[1], 0, 1.0)[4])
 
 
 def _random_start(wq: Tensor, wk: Tensor, rank: int, seed: int) -> tuple[Tensor, Tensor]:
