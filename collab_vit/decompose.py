@@ -306,7 +306,7 @@ def _als(
     normsq: float,
     outside: float = 0.0,
     *,
-    stop_below: float = 0.0,
+    stop_below: float | None = None,
     history: list | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, int, float]:
     """CP-ALS on ``T[i] = wq_i wk_i^T`` from a start (query, key); returns (query, key, mixing, iterations, error).
@@ -315,11 +315,14 @@ def _als(
     the factors, e.g. for the query factor ``sum_i wq_i ((wk_i^T K) * M_i) [(M^T M) * (K^T K)]^{-1}``: four
     ``(Nh*dh) x P x R`` GEMMs per sweep (``P`` = rows of ``wq``). Each sweep is followed by Bro's line search.
     ``normsq`` and ``outside`` are as in ``_relative_error`` (errors are those of the full tensor). Stops when
-    the relative change of the error falls below ``tol``, when the error is at most ``stop_below``, or after
-    ``max_iter`` sweeps.
+    the relative change of the error falls below ``tol``, when the error is at most ``stop_below`` (default
+    ``eps ** 0.75`` of the dtype, 1.8e-12 in float64: an exact fit, whose error changes are rounding noise that
+    would never meet ``tol``), or after ``max_iter`` sweeps.
     """
     nh, _, dh = wq.shape
     rank = query.shape[1]
+    if stop_below is None:
+        stop_below = torch.finfo(wq.dtype).eps ** 0.75
     if normsq <= 0:
         return query, key, query.new_zeros(nh, rank), 0, 0.0
     ridge = 100 * torch.finfo(wq.dtype).eps
