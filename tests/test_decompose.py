@@ -208,7 +208,10 @@ def test_zero_iterations_returns_start():
         (lambda wq, wk: dec.cp_decompose(wq, wk, 4, init="hosvd"), "init"),
         (lambda wq, wk: dec.cp_decompose(wq, wk, 4, dtype=torch.int64), "dtype"),
         (lambda wq, wk: dec.relative_error(wq, wk, torch.zeros(D, 3), torch.zeros(D, 3), torch.zeros(NH, 4)), "mixing"),
-        (lambda wq, wk: dec.relative_error(wq, wk, torch.zeros(D, 3), torch.zeros(D + 1, 3), torch.zeros(NH, 3)), "key"),
+        (
+            lambda wq, wk: dec.relative_error(wq, wk, torch.zeros(D, 3), torch.zeros(D + 1, 3), torch.zeros(NH, 3)),
+            "key",
+        ),
         (lambda wq, wk: dec.split_qkv_heads(torch.zeros(3 * D, D), 5), "num_heads"),
         (lambda wq, wk: dec.split_qkv_heads(torch.zeros(2 * D, D), 4), "qkv_weight"),
         (lambda wq, wk: dec.rank_for_energy(torch.ones(3), 0.0), "threshold"),
