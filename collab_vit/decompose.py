@@ -588,7 +588,8 @@ def tucker_decompose(
     from the factors), the core ``G[i] = Uq^T T[i] Uk = (Uq^T wq_i)(Uk^T wk_i)^T`` stays factored, its CP
     ``(A, B, C)`` comes from the same ALS as ``cp_decompose`` in R dims, and ``W~q = Uq A``, ``W~k = Uk B``,
     ``M = C``. The last ``min(5, max_iter // 2)`` of the ``max_iter`` sweeps run on the full factored tensor
-    (as ``cp_decompose``), so the factors may leave the Tucker subspaces. A core sweep costs about half a full
+    (as ``cp_decompose``), so the factors may leave the Tucker subspaces; when the head-wise start of the full
+    tensor fits better than the core's CP, those sweeps also run from it and the better result is kept. A core sweep costs about half a full
     one at ``R = D / 2`` (the GEMMs are ``Nh*dh x R x R`` instead of ``Nh*dh x D x R``). The start is the better
     of the head-wise SVD start and the GEVD start of the core. Arguments as ``cp_decompose``; ``seed`` is unused
     (the route is deterministic).
@@ -606,7 +607,14 @@ def tucker_decompose(
     q0, k0 = _pick(ca, cb, [_headwise_start(ca, cb, rank), _gevd_start(ca, cb, rank, p)], normsq, outside)
     refine = min(_REFINE_SWEEPS, max_iter // 2)
     core_q, core_k, _, it, _ = _mixed_als(ca, cb, q0, k0, max_iter - refine, tol, normsq, outside)
-    query, key, mixing, it_full, _ = _mixed_als(a, b, uq @ core_q, uk @ core_k, refine, tol, normsq)
+    # The Tucker subspaces can hold the CP back (seen where R is close to Nh*dh): when the full tensor's head-wise
+    # start fits better than the core's CP, the full-space sweeps run from both and the better result is kept.
+    starts = [(uq @ core_q, uk @ core_k)]
+    head = _headwise_start(a, b, rank)
+    if _pick(a, b, [starts[0], head], normsq) is head:
+        starts.append(head)
+    fits = [_mixed_als(a, b, q, k, refine, tol, normsq) for q, k in starts]
+    query, key, mixing, it_full, _ = min(fits, key=lambda fit: fit[4])
     return _result(wq, wk, query, key, mixing, it + it_full, wq.dtype)
 
 
