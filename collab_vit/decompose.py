@@ -29,25 +29,32 @@ error drops below 1e-2. The error of the result is always re-evaluated in float6
 
 Measured (``benchmarks/decompose_bench.py --threads 1 --repeat 2 --no-random``): one DeiT-B-sized synthetic
 layer (Nh = 12, D = 768, dh = 64; shared decaying query/key spectra, 1% noise), default arguments
-(``max_iter=100, tol=1e-6``, float64), ONE thread on a shared 2-core machine under a load average of ~4, so
-wall-clock times are inflated ~1.5x; CPU seconds are the better guide (least of 2 runs each)::
+(``max_iter=100, tol=1e-6``, float64), ONE thread on a shared 2-core machine under a load average of ~5; least
+of 2 runs. Times vary by up to ~1.6x between runs under this load (e.g. tucker at R = 256: 1.57 and 2.54 CPU s
+in two sessions); errors and iterations are deterministic::
 
     R     tucker_decompose               cp_decompose
           wall s  cpu s  rel err  iters  wall s  cpu s  rel err  iters
-    192     1.29   0.93  0.52737    100    2.32   1.77  0.52732    100
-    256     2.30   1.57  0.42573    100    3.96   2.67  0.42571    100
-    384     4.62   3.06  0.27190    100    4.96   4.33  0.27176    100
-    512     8.13   5.57  0.16438    100   10.10   6.90  0.16425    100
+    192     1.23   1.18  0.52737    100    2.00   1.90  0.52732    100
+    256     2.97   2.54  0.42573    100    5.07   4.15  0.42571    100
+    384     3.23   3.05  0.27190    100    4.82   4.51  0.27176    100
+    512     6.19   5.89  0.16438    100    7.75   7.35  0.16425    100
+
+Twelve such layers (seeds 0-11) at R = 384 with ``tucker_decompose``: 38.4 s wall with one thread, max error
+0.2731. With TWO threads on the same loaded machine the same run took 256 s: OpenMP threads that wait on each
+other across a busy core cost far more than they save at these sizes, so set ``torch.set_num_threads(1)`` (or
+run one layer per process) on shared machines.
 
 Reference at R = 384 on the same layer: tensorly ``parafac(T, 384, init="random", tol=1e-6)`` on the dense
 tensor took ~921 s with relative error 0.3522 (measured once, not repeated). Less loaded, ``tucker_decompose``
-at R = 384 took 2.66 s wall.
+at R = 384 took 2.66 s wall (error 0.27195; a revision without the final full-space sweeps).
 
-Choices, measured at R = 384 (CPU s, same layer, same load):
+Choices, measured on the same layer under similar load (CPU s unless marked):
 
-* float32 sweeps above error 1e-2 vs float64 throughout: tucker 2.97 s / 0.271905 vs 4.89 s / 0.271871,
+* float32 sweeps above error 1e-2 vs float64 throughout, R = 384: tucker 2.97 s / 0.271905 vs 4.89 s / 0.271871,
   cp 4.10 s / 0.271764 vs 8.23 s / 0.271742 (R = 192: tucker 0.95 vs 1.43 s, errors 0.527368 vs 0.527365).
-* line search: 100 core sweeps with it reach 0.27196 in 2.53 s, 200 without it 0.27233 in 3.75 s.
+* line search, R = 384, core sweeps only: 100 sweeps with it reach 0.27196 in 2.53 s wall, 200 without it
+  0.27233 in 3.75 s wall.
 * full-space sweeps at the end of ``tucker_decompose`` (100 core sweeps vs 95 core + 5 full): R = 192,
   0.53190 -> 0.52737 (+0.04 s); R = 384, 0.27195 -> 0.27190 (+0.24 s).
 * a fixed cost of ~0.46 s per layer (two ``eigh`` of D x D, the GEVD start, start selection, float64 error
