@@ -596,10 +596,10 @@ def tucker_decompose(
     ``(A, B, C)`` comes from the same ALS as ``cp_decompose`` in R dims, and ``W~q = Uq A``, ``W~k = Uk B``,
     ``M = C``. The last ``min(5, max_iter // 2)`` of the ``max_iter`` sweeps run on the full factored tensor
     (as ``cp_decompose``), so the factors may leave the Tucker subspaces; when the head-wise start of the full
-    tensor fits better than the core's CP, those sweeps also run from it and the better result is kept. A core sweep costs about half a full
-    one at ``R = D / 2`` (the GEMMs are ``Nh*dh x R x R`` instead of ``Nh*dh x D x R``). The start is the better
-    of the head-wise SVD start and the GEVD start of the core. Arguments as ``cp_decompose``; ``seed`` is unused
-    (the route is deterministic).
+    tensor fits better than the core's CP, those sweeps also run from it and the better result is kept. A core
+    sweep costs about half a full one at ``R = D / 2`` (the GEMMs are ``Nh*dh x R x R`` instead of
+    ``Nh*dh x D x R``). The start is the better of the head-wise SVD start and the GEVD start of the core.
+    Arguments as ``cp_decompose``; ``seed`` is unused (the route is deterministic).
     """
     _check_factors(wq, wk)
     _check_rank(rank)
