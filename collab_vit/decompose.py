@@ -471,8 +471,9 @@ def _gevd_start(wa: Tensor, wb: Tensor, rank: int, p: int) -> tuple[Tensor, Tens
     """Simultaneous-diagonalisation (GEVD, Jennrich) start from the leading ``p x p`` block of a Tucker core.
 
     ``wa, wb`` are core factors (Nh, P, dh) whose first ``p`` rows span the numerically non-null part. With two
-    head-mode combinations ``S1 = A D1 B^T``, ``S2 = A D2 B^T`` of the block: ``S2 S1^{-1} = A (D2/D1) A^{-1}`` and
-    ``(S1^{-1} S2)^T = B (D2/D1) B^{-1}``, exact when the core has CP rank ``p``. The ``p`` components are
+    head-mode combinations ``S1 = A D1 B^T``, ``S2 = A D2 B^T`` of the block, ``S2 S1^{-1} = A (D2/D1) A^{-1}``
+    gives ``A`` and then ``A^{-1} S1 = D1 B^T`` gives ``B`` (one eigenproblem, no pairing of two eigenvector
+    sets), exact when the core has CP rank ``p``. The ``p`` components are
     returned as (P, rank) factors, zero beyond row ``p`` and column ``p``; ALS grows the zero columns when they
     help. Returns None if not applicable.
     """
@@ -483,12 +484,10 @@ def _gevd_start(wa: Tensor, wb: Tensor, rank: int, p: int) -> tuple[Tensor, Tens
     w = torch.randn(nh, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(g)  # Jennrich
     s1, s2 = torch.einsum("i,ide->de", w[:, 0], g), torch.einsum("i,ide->de", w[:, 1], g)
     try:
-        la, va = torch.linalg.eig(torch.linalg.solve(s1.T, s2.T).T)
-        lb, vb = torch.linalg.eig(torch.linalg.solve(s1, s2).T)
-    except RuntimeError:  # singular S1
+        a = torch.linalg.eig(torch.linalg.solve(s1.T, s2.T).T)[1].real
+        b = torch.linalg.solve(a, s1).T  # B = (A^{-1} S1)^T up to column scales, paired column by column with A
+    except RuntimeError:  # singular S1 or A
         return None
-    a = va[:, torch.argsort(la.real, stable=True)].real
-    b = vb[:, torch.argsort(lb.real, stable=True)].real
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return None
     qa, kb = wa.new_zeros(big_p, rank), wb.new_zeros(big_p, rank)
