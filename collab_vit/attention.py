@@ -366,3 +366,23 @@ def attention_class(base: Type[nn.Module], key_dim: int, mixing_init: Optional[M
     cls = type(f"{base.__name__}{suffix}", (base,), {"__init__": __init__, "__module__": base.__module__})
     globals()[cls.__name__] = cls  # importable by name, so full-module pickling works
     return cls
+
+
+def per_block_attention_class(base: Type[nn.Module], key_dims: tuple, mixing_init: Optional[MixingInit] = None) -> type:
+    """A fresh ``attn_layer`` class whose successive instances take ``key_dims[0], key_dims[1], ...``.
+
+    timm builds the blocks of a ``VisionTransformer`` in order, so block i gets ``key_dims[i]`` (a converted model
+    keeps one key dim per layer). Building more layers than ``key_dims`` holds is an error; ``remaining()`` tells
+    how many were not used.
+    """
+    pending = list(key_dims)
+
+    def __init__(self, dim: int, *args, **kwargs) -> None:
+        if not pending:
+            raise ValueError(f"key_dim list has {len(key_dims)} entries but the model builds more attention layers")
+        extra = {"key_dim": pending.pop(0)} if mixing_init is None else {"key_dim": pending.pop(0),
+                                                                          "mixing_init": mixing_init}
+        base.__init__(self, dim, *args, **{**kwargs, **extra})
+
+    return type(f"{base.__name__}PerBlock", (base,), {
+        "__init__": __init__, "__module__": base.__module__, "remaining": staticmethod(lambda: len(pending))})

@@ -9,14 +9,14 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Type
+from typing import Any, Callable, Optional, Sequence, Type, Union
 
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models.vision_transformer import checkpoint_filter_fn
 
-from .attention import CollaborativeAttention, ConcatAttention, attention_class, check_key_dim
+from .attention import CollaborativeAttention, ConcatAttention, attention_class, check_key_dim, per_block_attention_class
+from .pretrained import collab_filter_fn, conversion, converted_file_kwargs
 
 # DeiT sizes (Touvron et al. 2021), patch 16 at 224 px.
 DEIT_ARCHS: dict[str, dict[str, int]] = {
@@ -51,30 +51,49 @@ COLLAB_MODELS: list[str] = [collab_name(s) for s in DEIT_ARCHS] + [
     collab_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid]
 CONCAT_MODELS: list[str] = [concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
 
-default_cfgs = generate_default_cfgs({name: _cfg() for name in COLLAB_MODELS + CONCAT_MODELS})
+# timm's DeiT ImageNet-1k weights, converted on load (collab_vit.pretrained); the key dim comes from the keyword.
+DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k",
+                           url=f"https://dl.fbaipublicfiles.com/deit/deit_{size}_patch16_224-{sha}.pth")
+                for size, sha in (("tiny", "a1311bcf"), ("small", "cd65a155"), ("base", "b5f2ef4d"))}
+default_cfgs = generate_default_cfgs({
+    **{f"{collab_name(size)}.fb_in1k": _cfg(**DEIT_WEIGHTS[size]) for size in DEIT_ARCHS},
+    **{name: _cfg() for name in COLLAB_MODELS[len(DEIT_ARCHS):] + CONCAT_MODELS},
+})
 
 
 def create_deit(
         variant: str,
         attn_base: Type[nn.Module],
-        key_dim: Optional[int],
+        key_dim: Union[None, int, Sequence[int]],
         pretrained: bool = False,
         mixing_init: Optional[str] = None,
+        conversion_method: str = "tucker",
         **kwargs: Any,
 ) -> VisionTransformer:
-    """Build a DeiT-style ``VisionTransformer`` whose every block uses ``attn_base`` with ``key_dim``."""
+    """Build a DeiT-style ``VisionTransformer`` whose blocks use ``attn_base`` with ``key_dim`` (one, or per block).
+
+    With ``pretrained``, standard-attention weights (timm's DeiT) are converted on load with ``conversion_method``.
+    """
     embed_dim = kwargs.get("embed_dim", 768)
-    key_dim = embed_dim if key_dim is None else check_key_dim(key_dim)
+    if isinstance(key_dim, (list, tuple)):
+        key_dims = tuple(check_key_dim(k) for k in key_dim)
+        attn_layer = per_block_attention_class(attn_base, key_dims, mixing_init)
+    else:
+        attn_layer = attention_class(attn_base, embed_dim if key_dim is None else check_key_dim(key_dim), mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
-    return build_model_with_cfg(
-        VisionTransformer,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-        attn_layer=attention_class(attn_base, key_dim, mixing_init),
-        **kwargs,
-    )
+    with conversion(conversion_method):
+        model = build_model_with_cfg(
+            VisionTransformer,
+            variant,
+            pretrained,
+            pretrained_filter_fn=collab_filter_fn,
+            feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+            attn_layer=attn_layer,
+            **kwargs,
+        )
+    if isinstance(key_dim, (list, tuple)) and attn_layer.remaining():
+        raise ValueError(f"key_dim list has {len(key_dim)} entries but the model has {kwargs.get('depth', 12)} blocks")
+    return model
 
 
 def _make_entrypoint(name: str, size: str, attn_base: Type[nn.Module], fixed_key_dim: Optional[int]) -> Callable:
@@ -84,10 +103,14 @@ def _make_entrypoint(name: str, size: str, attn_base: Type[nn.Module], fixed_key
         if fixed_key_dim is not None and kwargs.get("key_dim", fixed_key_dim) != fixed_key_dim:
             raise ValueError(f"{name} fixes key_dim={fixed_key_dim}; use {collab_name(size)} for key_dim="
                              f"{kwargs['key_dim']}")
+        if pretrained and "key_dim" not in kwargs:  # a converted file records its key dims
+            overlay = kwargs.get("pretrained_cfg_overlay") or {}
+            kwargs.update({k: v for k, v in converted_file_kwargs(overlay.get("file")).items() if k == "key_dim"})
         key_dim = kwargs.pop("key_dim", fixed_key_dim)
+        method = kwargs.pop("conversion_method", "tucker")
         mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
         model_args = dict(DEIT_ARCHS[size], qkv_bias=True)
-        return create_deit(name, attn_base, key_dim, pretrained, mixing_init, **dict(model_args, **kwargs))
+        return create_deit(name, attn_base, key_dim, pretrained, mixing_init, method, **dict(model_args, **kwargs))
 
     entrypoint.__name__ = entrypoint.__qualname__ = name
     entrypoint.__module__ = __name__

@@ -1,0 +1,183 @@
+"""How much do heads have in common? The redundancy spectrum of a timm ViT's attention layers and its plot.
+
+Paper: Cordonnier, Loukas, Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (arXiv 2006.16362),
+section 3.1: the key/query projections of individual heads are not low rank, but their concatenation over heads is;
+about a third of the dimensions hold almost all the energy of the products ``W_q,i W_k,i^T``. A collaborative layer
+(section 3.2) with shared key/query dim ``D~k`` can then replace the ``Nh * dh`` concatenated dims.
+
+For every timm ``Attention`` layer this module computes the normalised cumulative energy of the concatenated
+products ``[W_q,0 W_k,0^T, .., W_q,Nh-1 W_k,Nh-1^T]`` (``decompose.energy_spectrum``), the number of dims needed
+for 90 / 95 / 99 % of it, a suggested ``key_dim``, a Markdown table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from timm.layers import Attention
+from torch import Tensor, nn
+
+from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
+from .reparam import timm_attention_layers
+
+__all__ = [
+    "THRESHOLDS",
+    "LayerSpectrum",
+    "layer_spectra",
+    "suggest_key_dim",
+    "format_spectrum_table",
+    "plot_spectra",
+]
+
+THRESHOLDS: tuple[float, ...] = (0.90, 0.95, 0.99)
+
+
+@dataclass
+class LayerSpectrum:
+    """Redundancy spectrum of one attention layer (paper section 3.1).
+
+    Attributes:
+        name: Module path in the model, e.g. ``"blocks.3.attn"``.
+        cumulative_energy: float64, 1-D, non-decreasing, last entry 1.0; entry ``r - 1`` is the fraction of the
+            energy (sum of squared singular values) of the concatenated products ``[W_q,i W_k,i^T]_i`` (a
+            ``D x Nh*D`` matrix) held by its top ``r`` singular directions. This is the query-side output of
+            ``decompose.energy_spectrum``: the query-mode unfolding of ``T[i] = W_q,i W_k,i^T`` is exactly that
+            concatenation, its column space is the concatenated query projections' (what section 3.1 shows to be
+            low rank), and unlike the raw ``[W_q,i]_i`` it does not change under per-head reparametrisations that
+            leave the logits unchanged. Length ``min(D, Nh*dh)``.
+        dims_needed: ``{0.90: r90, 0.95: r95, 0.99: r99}``, the fewest dims holding that energy fraction
+            (``decompose.rank_for_energy``).
+    """
+
+    name: str
+    cumulative_energy: Tensor
+    dims_needed: dict[float, int]
+
+    @property
+    def total_dims(self) -> int:
+        """Length of the spectrum, ``min(D, Nh*dh)``: the dims a full-rank layer may use."""
+        return int(self.cumulative_energy.numel())
+
+
+@torch.no_grad()
+def layer_spectra(model: nn.Module) -> list[LayerSpectrum]:
+    """The section 3.1 spectrum of every timm ``Attention`` layer of ``model`` (weights copied to float64 on CPU).
+
+    Only the query/key weights enter: biases shift logits by terms that the collaborative layer carries in its
+    content bias, and with ``qk_norm`` the per-head normalisation sits between the projections (the spectrum then
+    describes the weights, not the logits). The model is left unchanged.
+
+    Raises:
+        ValueError: if the model has no ``Attention`` layer, or a layer's head dims do not fill the embedding dim
+            (``attn_head_dim`` set), which ``decompose.split_qkv_heads`` does not handle.
+    """
+    spectra = []
+    for name, attn in timm_attention_layers(model):
+        weight = attn.qkv.weight.detach().to(device="cpu", dtype=torch.float64)
+        if weight.shape[0] != 3 * weight.shape[1]:
+            raise ValueError(f"{name}: qkv weight {tuple(weight.shape)} is not (3D, D); attn_head_dim is not supported")
+        wq, wk = split_qkv_heads(weight, attn.num_heads)
+        query_energy, _ = energy_spectrum(wq, wk)
+        dims = {t: rank_for_energy(query_energy, t) for t in THRESHOLDS}
+        spectra.append(LayerSpectrum(name, query_energy, dims))
+    return spectra
+
+
+def _dims_at(spectrum: LayerSpectrum, threshold: float) -> int:
+    return spectrum.dims_needed.get(threshold) or rank_for_energy(spectrum.cumulative_energy, threshold)
+
+
+def suggest_key_dim(spectra: list[LayerSpectrum], threshold: float = 0.95, multiple_of: int = 1) -> int:
+    """A collaborative ``key_dim`` (``D~k``, section 3.2) that keeps ``threshold`` of the energy in every layer.
+
+    Args:
+        spectra: From ``layer_spectra``.
+        threshold: Energy fraction in (0, 1].
+        multiple_of: Round the result up to a multiple of this (e.g. 8 or the head count), positive int.
+
+    Returns:
+        The max over layers of the dims needed at ``threshold``, rounded up to ``multiple_of``.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, numbers.Integral) or multiple_of <= 0:
+        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
+    if not spectra:
+        raise ValueError("spectra is empty")
+    need = max(_dims_at(s, threshold) for s in spectra)
+    return math.ceil(need / multiple_of) * multiple_of
+
+
+def format_spectrum_table(spectra: list[LayerSpectrum]) -> str:
+    """Markdown table, one row per layer: dims needed for 90 / 95 / 99 % of the energy and the total dims."""
+    head = ["layer"] + [f"dims for {t:.0%}".replace("%", " %") for t in THRESHOLDS] + ["total dims"]
+    rows = [head, ["---"] + ["---:"] * (len(head) - 1)]
+    rows += [[s.name] + [str(_dims_at(s, t)) for t in THRESHOLDS] + [str(s.total_dims)] for s in spectra]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
+def plot_spectra(spectra: list[LayerSpectrum], path: Path, title: str = "") -> Path:
+    """PNG of cumulative energy vs number of dims, one line per layer coloured by depth (Figure 1 of section 3.1).
+
+    Drawn with matplotlib's object-oriented API on an Agg canvas (no pyplot, no display, no global backend change),
+    with guides at 90 / 95 / 99 %. The file is written to a temporary file in the same directory and moved into
+    place with ``os.replace``, so readers never see a partial PNG.
+
+    Returns:
+        ``path``.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    if not spectra:
+        raise ValueError("spectra is empty")
+    path = Path(path)
+    fig = Figure(figsize=(7.0, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    cmap = colormaps["viridis"]
+    norm = Normalize(vmin=0, vmax=max(len(spectra) - 1, 1))
+    for depth, s in enumerate(spectra):
+        energy = s.cumulative_energy.detach().cpu().double().numpy()
+        ax.plot(range(1, len(energy) + 1), energy, color=cmap(norm(depth)), lw=1.4, label=s.name)
+    total = max(s.total_dims for s in spectra)
+    for t in THRESHOLDS:
+        ax.axhline(t, color="0.45", ls="--", lw=0.8, zorder=0)
+        ax.annotate(f"{t:.0%}".replace("%", " %"), (1.0, t), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize=8, color="0.35")
+    ax.set_xlim(0, total)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("number of dimensions (top singular directions kept)")
+    ax.set_ylabel("cumulative energy of concatenated $W_{q,i} W_{k,i}^T$")
+    ax.set_title(title or "Key/query redundancy across heads (sec. 3.1)")
+    ax.grid(alpha=0.25)
+    if len(spectra) <= 4:
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.08)
+        bar.set_label("layer (depth)")
+        bar.set_ticks(range(len(spectra)))
+        if len(spectra) > 16:
+            bar.set_ticks(range(0, len(spectra), math.ceil(len(spectra) / 12)))
+    fig.tight_layout()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png")
+        os.chmod(tmp, 0o644)  # mkstemp makes the file 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,161 @@
+"""Post-hoc re-parametrisation (section 3.3): exactness, compression, determinism, files, pretrained tags, errors."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import timm
+import torch
+
+import collab_vit
+from collab_vit import CollaborativeAttention
+from collab_vit.cli import main as cli_main
+from collab_vit.evaluate import parse_args as evaluate_args, run as evaluate_run
+from collab_vit.reparam import convert
+from tinyrun import make_image_folder
+
+SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_deit(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = timm.create_model("deit_tiny_patch16_224", **SMALL).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "attn.qkv" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def logits(model: torch.nn.Module, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(x)
+
+
+@pytest.mark.parametrize("method", ["tucker", "cp"])
+@pytest.mark.parametrize("key_dim", [48, 60])
+def test_exact_at_full_rank(method: str, key_dim: int) -> None:
+    reference = small_deit()
+    reports = convert(converted := copy.deepcopy(reference), key_dim, method, progress=False)
+    assert (logits(converted) - logits(reference)).abs().max().item() <= 1e-4
+    assert all(r.tensor_error == 0 and r.output_error < 1e-5 for r in reports)
+
+
+@pytest.mark.parametrize("method", ["tucker", "cp"])
+def test_compression_error_decreases_with_key_dim(method: str) -> None:
+    errors = []
+    for key_dim in (8, 16, 32):
+        reports = convert(model := small_deit(), key_dim, method, progress=False)
+        assert all(isinstance(b.attn, CollaborativeAttention) and b.attn.key_dim == key_dim for b in model.blocks)
+        errors.append(max(r.tensor_error for r in reports))
+    assert errors[0] > errors[1] > errors[2] > 0
+
+
+def test_compressed_layer_keeps_values_and_biases_exact() -> None:
+    model = small_deit()
+    reference = copy.deepcopy(model.blocks[0].attn)
+    convert(model, 16, "tucker", progress=False)
+    layer = model.blocks[0].attn
+    exact = CollaborativeAttention.from_attention(reference)
+    assert layer.key_dim == 16
+    for part in ("value", "content_bias", "proj"):
+        for a, b in zip(getattr(layer, part).parameters(), getattr(exact, part).parameters()):
+            assert torch.equal(a, b)
+
+
+def test_same_seed_same_result() -> None:
+    a, b = small_deit(), small_deit()
+    convert(a, 12, "cp", seed=3, progress=False)
+    convert(b, 12, "cp", seed=3, progress=False)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_energy_threshold_and_list_key_dims() -> None:
+    reports = convert(small_deit(), 0.9, "tucker", progress=False)
+    assert all(0 < r.key_dim <= 48 for r in reports)
+    reports = convert(model := small_deit(), [8, 16, 48], "tucker", progress=False)
+    assert [b.attn.key_dim for b in model.blocks] == [8, 16, 48] == [r.key_dim for r in reports]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (0, "key_dim must be a positive integer"), (-4, "key_dim must be a positive integer"),
+    ([8, 8], "2 entries but the model has 3"), (1.5, r"threshold key_dim must be in \(0, 1\]"),
+    (0.0, r"threshold key_dim must be in \(0, 1\]"), ("16", "key_dim must be"),
+])
+def test_bad_key_dims(bad: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        convert(small_deit(), bad, progress=False)
+
+
+def test_bad_method_and_model() -> None:
+    with pytest.raises(ValueError, match="method must be one of"):
+        convert(small_deit(), 8, "svd", progress=False)
+    with pytest.raises(ValueError, match="has no timm Attention"):
+        convert(torch.nn.Sequential(torch.nn.Linear(3, 3)), 8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def deit_tiny_file(tmp_path_factory) -> str:
+    """A 'pretrained' timm DeiT-Ti written as DeiT's own .pth layout (hub downloads are not available here)."""
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224")
+    path = tmp_path_factory.mktemp("weights") / "deit_tiny.pth"
+    torch.save({"model": model.state_dict()}, path)
+    return str(path)
+
+
+def test_convert_cli_file_round_trip(deit_tiny_file: str, tmp_path) -> None:
+    out = tmp_path / "tiny_k96.safetensors"
+    assert cli_main(["convert", "--model", "deit_tiny_patch16_224", "--checkpoint", deit_tiny_file,
+                     "--key-dim", "96", "--method", "tucker", "--out", str(out)]) == 0
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["model_name"] == "collab_deit_tiny_patch16_224" and sidecar["model_kwargs"]["key_dim"] == [96] * 12
+    assert len(sidecar["layers"]) == 12 and all(0 < layer["tensor_error"] < 1 for layer in sidecar["layers"])
+
+    source = timm.create_model("deit_tiny_patch16_224", pretrained=True,
+                               pretrained_cfg_overlay=dict(file=deit_tiny_file))
+    in_memory = collab_vit.reparametrize(source, key_dim=96, method="tucker")
+    loaded = timm.create_model("collab_deit_tiny_patch16_224", pretrained=True,
+                               pretrained_cfg_overlay=dict(file=str(out)))  # key dims read from the file
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(x), in_memory.eval()(x))
+
+    # eval.py takes the converted file without restating the model or its key dims
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=1, val_per_class=2)
+    results = evaluate_run(evaluate_args(["--checkpoint", str(out), "--data-dir", str(data), "--workers", "0"]))
+    assert results["model"] == "collab_deit_tiny_patch16_224" and results["num_samples"] == 6
+    assert results["num_params"] == sum(p.numel() for p in in_memory.parameters())
+
+
+def test_pretrained_tag_converts_on_load_and_caches(deit_tiny_file: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    kwargs = dict(pretrained=True, key_dim=64, conversion_method="cp", pretrained_cfg_overlay=dict(file=deit_tiny_file))
+    first = timm.create_model("collab_deit_tiny_patch16_224", **kwargs)
+    cached = list((tmp_path / "torch_home").rglob("*.safetensors"))
+    assert len(cached) == 1 and "collab_vit" in str(cached[0]) and cached[0].name.endswith("_cp.safetensors")
+    second = timm.create_model("collab_deit_tiny_patch16_224", **kwargs)
+    source = timm.create_model("deit_tiny_patch16_224", pretrained=True,
+                               pretrained_cfg_overlay=dict(file=deit_tiny_file))
+    expected = collab_vit.reparametrize(source, key_dim=64, method="cp")
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        reference = expected.eval()(x)
+        assert torch.equal(first.eval()(x), reference) and torch.equal(second.eval()(x), reference)
+
+
+def test_cli_errors_are_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["convert", "--model", "vit_base_patch16_224", "--key-dim", "96", "--out", "x.safetensors"])
+    assert exit_info.value.code == 2
+    assert "supports deit_{tiny,small,base}_patch16_224" in capsys.readouterr().err
