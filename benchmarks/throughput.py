@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 import collab_vit  # noqa: F401  (registers the models)
 from collab_vit.benchmark import (MODELS, machine_description, measure_layers, measure_models, render_layer_table,
-                                  render_model_table)
+                                  render_model_table, replace_readme_block)
 
 
 def main() -> None:
@@ -48,8 +48,10 @@ def main() -> None:
               "Ratios are to timm's `deit_base_patch16_224` in the same run (higher is faster; memory: lower is "
               "smaller). The analytic limit is the ratio of multiply-adds of the 12 blocks (DESIGN.md cost model). "
               "Saved activations: bytes autograd keeps for backward in one training forward.\n")
-    args.out.write_text(header + "\n" + "\n\n".join(sections) + "\n")
-    print(f"wrote {args.out}")
+    report = header + "\n" + "\n\n".join(sections) + "\n"
+    args.out.write_text(report)
+    replace_readme_block(Path(__file__).parents[1] / "README.md", "throughput", report)
+    print(f"wrote {args.out} and the README's throughput block")
 
 
 if __name__ == "__main__":
