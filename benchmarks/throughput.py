@@ -2,19 +2,44 @@
 
     python benchmarks/throughput.py                 # CPU: fp32, batch 16 (GPU too when one is present)
     python benchmarks/throughput.py --repeats 3     # quicker, noisier
+    python benchmarks/throughput.py --threads 1     # leave the other core to something else
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 import collab_vit  # noqa: F401  (registers the models)
-from collab_vit.benchmark import (MODELS, machine_description, measure_layers, measure_models, render_layer_table,
-                                  render_model_table, replace_readme_block)
+from collab_vit.benchmark import (MODEL_GROUPS, Measurement, machine_description, measure_layers, measure_models,
+                                  render_layer_table, render_model_table, replace_readme_block)
+
+
+def measure_group_in_subprocess(index: int, device: torch.device, amp, batch: int, args) -> dict:
+    """Measure MODEL_GROUPS[index] in a child process (memory is returned when it exits)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "group.json"
+        cmd = [sys.executable, __file__, "--group", str(index), "--group-out", str(out), "--device", device.type,
+               "--amp", str(amp).replace("torch.", "") if amp else "none", "--batch", str(batch),
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup)] + (
+                  ["--threads", str(args.threads)] if args.threads else [])
+        subprocess.run(cmd, check=True)
+        return {name: Measurement(**m) for name, m in json.loads(out.read_text()).items()}
+
+
+def run_group(args) -> None:
+    amp = None if args.amp == "none" else getattr(torch, args.amp)
+    names = MODEL_GROUPS[args.group]
+    results = measure_models(names, args.batch, torch.device(args.device), amp, args.warmup, args.repeats,
+                             progress=lambda it: tqdm(it, desc=" vs ".join(names[1:]) + " repeats"))
+    args.group_out.write_text(json.dumps({n: vars(m) for n, m in results.items()}))
 
 
 def main() -> None:
@@ -23,9 +48,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cpu-batch", type=int, default=16)
     parser.add_argument("--gpu-batch", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("throughput.md"))
+    parser.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--group-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    parser.add_argument("--amp", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.group is not None:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return run_group(args)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sections = []
     setups = [(torch.device("cpu"), None, args.cpu_batch, "CPU fp32")]
     if torch.cuda.is_available():
@@ -33,9 +70,8 @@ def main() -> None:
                    (torch.device("cuda"), None, args.gpu_batch, "GPU fp32")]
     for device, amp, batch, label in setups:
         print(f"{label}: {machine_description(device)}")
-        results = measure_models(MODELS, batch, device, amp, args.warmup, args.repeats,
-                                 progress=lambda it: tqdm(it, desc=f"{label} repeats"))
-        sections.append(render_model_table(results, batch, f"{label}, batch {batch}, 224 px — "
+        groups = [measure_group_in_subprocess(index, device, amp, batch, args) for index in range(len(MODEL_GROUPS))]
+        sections.append(render_model_table(groups, batch, f"{label}, batch {batch}, 224 px — "
                                            f"{machine_description(device)}"))
         print(sections[-1])
         layer_times = {tokens: measure_layers(tokens, batch, device, amp, args.warmup, args.repeats)
@@ -43,9 +79,10 @@ def main() -> None:
         sections.append(render_layer_table(layer_times, batch))
         print(sections[-1])
     stamp = datetime.date.today().isoformat()
-    header = (f"### Throughput (generated {stamp} by `python benchmarks/throughput.py`, median of {args.repeats} "
-              f"interleaved repeats after {args.warmup} warm-up)\n\n"
-              "Ratios are to timm's `deit_base_patch16_224` in the same run (higher is faster; memory: lower is "
+    header = (f"### Throughput (generated {stamp} by `python benchmarks/throughput.py {' '.join(sys.argv[1:])}`, "
+              f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up)\n\n"
+              "Models are measured in groups of at most three (memory), each interleaved with its own copy of timm's "
+              "`deit_base_patch16_224`; ratios are to that baseline (higher is faster; memory: lower is "
               "smaller). The analytic limit is the ratio of multiply-adds of the 12 blocks (DESIGN.md cost model). "
               "Saved activations: bytes autograd keeps for backward in one training forward.\n")
     report = header + "\n" + "\n\n".join(sections) + "\n"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.jit import Final
 from timm.layers import Attention, use_fused_attn
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
+from timm.models import register_notrace_function
 
 MixingInit = Literal["concatenate", "random"]
 MIXING_INITS = ("concatenate", "random")
@@ -35,6 +36,8 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(num_heads)]
 
 
+@torch.fx.wrap
+@register_notrace_function
 def pad_head_dims(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,6 +79,8 @@ def attend(
     return attn @ v
 
 
+@torch.fx.wrap
+@register_notrace_function
 @torch.jit.unused
 def fused_attend_recomputing(
         q: torch.Tensor,
