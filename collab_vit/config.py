@@ -192,13 +192,7 @@ def parse_overrides(argv: Sequence[str]) -> Dict[str, Any]:
         if isinstance(default, bool) and not values:
             out[key] = True
         elif isinstance(default, dict):
-            pairs = {}
-            for v in values:
-                k, sep, val = v.partition('=')
-                if not sep:
-                    raise ConfigError(f"bad value '{v}' for '--{key}' (expected key=value pairs)")
-                pairs[k] = yaml.safe_load(val)
-            out[key] = pairs
+            out[key] = parse_key_value_pairs(values, f'--{key}')
         elif isinstance(default, tuple):
             out[key] = [yaml.safe_load(v) for v in values]
         elif len(values) != 1:
@@ -242,3 +236,14 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
             path = argv[i + 1]
             del argv[i:i + 2]
     return build_config(path, parse_overrides(argv))
+
+
+def parse_key_value_pairs(values: List[str], flag: str) -> Dict[str, Any]:
+    """``['key_dim=384', 'depth=6']`` -> ``{'key_dim': 384, 'depth': 6}`` (values parsed as YAML)."""
+    pairs = {}
+    for value in values:
+        key, sep, text = value.partition('=')
+        if not sep:
+            raise ConfigError(f"bad value '{value}' for '{flag}' (expected key=value pairs)")
+        pairs[key] = yaml.safe_load(text)
+    return pairs

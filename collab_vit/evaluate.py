@@ -12,11 +12,10 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import torch
-import yaml
 
 from .build import create_model
 from .checkpoint import read_weights
-from .config import ConfigError
+from .config import ConfigError, parse_key_value_pairs
 from .data import DataError, build_dataset, build_eval_loader, eval_data_config, shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .engine import autocast_context, evaluate
@@ -43,16 +42,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _parse_kwargs(pairs: List[str]) -> Dict[str, Any]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition('=')
-        if not sep:
-            raise ConfigError(f"bad --model-kwargs entry '{pair}' (expected key=value)")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Build the model, load its weights, evaluate; returns the results dict (written to ``--output``)."""
     if args.cpu_threads:
@@ -64,7 +53,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if not name:
             raise ConfigError('no --model given and the checkpoint does not record its model name')
         kwargs = dict(meta.get('model_kwargs') or {}) if meta.get('model_name', name) == name else {}
-        kwargs.update(_parse_kwargs(args.model_kwargs))
+        kwargs.update(parse_key_value_pairs(args.model_kwargs, '--model-kwargs'))
         num_classes = args.num_classes or kwargs.pop('num_classes', None)
         kwargs.pop('num_classes', None)
         if num_classes is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import collab_vit  # noqa: F401  (registers the models with timm before any test module is collected)
 from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS
@@ -12,6 +13,15 @@ OUR_MODELS = set(COLLAB_MODELS + CONCAT_MODELS)
 # timm's CI selects its model tests by these markers; unmarked tests (e.g. the slow pruning contract) it skips too.
 TIMM_CI_MARKERS = {"base", "forward", "backward", "cfg", "cfg_nonstd", "torchscript", "features", "fxforward",
                    "fxbackward"}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small matrices on a busy 2-core machine: OpenMP threads cost more than they save."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -17,13 +17,7 @@ DH = D // NH
 RANKS = (5, 9)  # planted rank of the concatenated query projections, per block
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices on a busy 2-core machine: OpenMP threads cost more than they save."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_vit() -> nn.Module:

@@ -13,13 +13,7 @@ NH, D, DH = 4, 32, 8
 N = NH * DH
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These matrices are tiny: on a busy 2-core machine, OpenMP threads cost far more than they save."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reconstruct(res: dec.Decomposition) -> torch.Tensor:

@@ -18,12 +18,7 @@ from tinyrun import make_image_folder
 SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_deit(seed: int = 0) -> torch.nn.Module:
