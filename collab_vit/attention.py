@@ -30,6 +30,17 @@ def check_key_dim(key_dim: object) -> int:
     return key_dim
 
 
+def check_layer_args(dim: int, num_heads: int, key_dim: object, needs_norm: bool,
+                     norm_layer: Optional[Type[nn.Module]]) -> int:
+    """Checks shared by both layers; returns the key dim (``dim`` when None)."""
+    key_dim = dim if key_dim is None else check_key_dim(key_dim)
+    if dim % num_heads != 0:
+        raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+    if needs_norm and norm_layer is None:
+        raise ValueError("norm_layer must be given when qk_norm or scale_norm is set")
+    return key_dim
+
+
 def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     """Split ``range(key_dim)`` into ``num_heads`` contiguous blocks of near-equal size (head i owns block i)."""
     bounds = [round(i * key_dim / num_heads) for i in range(num_heads + 1)]
@@ -181,13 +192,9 @@ class CollaborativeAttention(HeadOutput):
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        key_dim = dim if key_dim is None else check_key_dim(key_dim)
-        if dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        key_dim = check_layer_args(dim, num_heads, key_dim, qk_norm or scale_norm, norm_layer)
         if mixing_init not in MIXING_INITS:
             raise ValueError(f"mixing_init must be one of {MIXING_INITS}, got {mixing_init!r}")
-        if (qk_norm or scale_norm) and norm_layer is None:
-            raise ValueError("norm_layer must be given when qk_norm or scale_norm is set")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.key_dim = key_dim
@@ -318,14 +325,10 @@ class ConcatAttention(HeadOutput):
     ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        key_dim = dim if key_dim is None else check_key_dim(key_dim)
-        if dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        key_dim = check_layer_args(dim, num_heads, key_dim, qk_norm or scale_norm, norm_layer)
         if key_dim % num_heads != 0:
             raise ValueError(f"key_dim ({key_dim}) must be divisible by num_heads ({num_heads}) for concatenate "
                              f"attention")
-        if (qk_norm or scale_norm) and norm_layer is None:
-            raise ValueError("norm_layer must be given when qk_norm or scale_norm is set")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.key_dim = key_dim
