@@ -2,8 +2,10 @@
 
 A training checkpoint is a dict of tensors and plain Python types only, so it loads with
 ``torch.load(weights_only=True)``: ``model``, ``model_ema`` (state dicts), ``optimizer``, ``scheduler``, ``scaler``,
-``epoch`` (last finished), ``step`` (optimizer updates so far), ``best_top1``, ``best_epoch``, ``rng`` (one entry
-per rank), ``config`` (resolved config dict), ``model_name``, ``model_kwargs``, ``data_config`` and ``metrics``.
+``epoch`` (last finished), ``batches_done`` (batches already trained of the next epoch when a stop request
+interrupted it, else 0), ``step`` (optimizer updates so far), ``best_top1``, ``best_epoch``, ``rng`` (one entry per
+rank: the state at the start of the next epoch, or of the interrupted one), ``rng_at_stop`` (only when interrupted:
+the states at the stop), ``config`` (resolved config dict), ``model_name``, ``model_kwargs``, ``data_config`` and ``metrics``.
 """
 from __future__ import annotations
 

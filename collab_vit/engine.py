@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .distributed import DistInfo, all_reduce_sum
+from .preemption import StopRequest
 
 
 def autocast_context(device: torch.device, amp: bool, amp_dtype: str) -> Callable[[], Any]:
@@ -40,13 +41,19 @@ def train_one_epoch(
         loss_scaler: Optional[NativeScaler] = None,
         model_ema: Optional[ModelEmaV3] = None,
         progress: bool = True,
+        stop_request: Optional[StopRequest] = None,
 ) -> tuple[Dict[str, float], int]:
-    """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far)."""
+    """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far).
+
+    With ``stop_request``, all ranks leave together after the first optimizer update at which a stop was asked for;
+    the metrics then say ``stopped: True`` and ``batches`` counts the batches trained in this pass.
+    """
     model.train()
     device = dist_info.device
     loss_meter = AverageMeter()
     num_batches = len(loader)
-    samples = 0
+    samples = batches = 0
+    stopped = False
     start = time.perf_counter()
     bar = tqdm(loader, total=num_batches, desc=f'epoch {epoch}', leave=False, dynamic_ncols=True,
                disable=not (progress and dist_info.is_main))
@@ -79,14 +86,19 @@ def train_one_epoch(
                 scheduler.step_update(num_updates=num_updates)
         loss_meter.update(loss.item(), images.shape[0])
         samples += images.shape[0]
+        batches += 1
         bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        if need_update and stop_request is not None and stop_request.should_stop(device):
+            stopped = True
+            break
+    bar.close()
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     totals = all_reduce_sum(torch.tensor([loss_meter.sum, loss_meter.count, samples], dtype=torch.float64,
                                          device=device)).tolist()
     metrics = {'train_loss': totals[0] / max(totals[1], 1), 'lr': optimizer.param_groups[0]['lr'],
-               'img_per_s': totals[2] / elapsed, 'train_time': elapsed}
+               'img_per_s': totals[2] / elapsed, 'train_time': elapsed, 'batches': batches, 'stopped': stopped}
     return metrics, num_updates
 
 

@@ -24,6 +24,7 @@ from .data import (DataError, build_dataset, build_eval_loader, build_mixup, bui
 from .distributed import DistInfo, barrier, broadcast_object, cleanup_distributed, init_distributed
 from .engine import autocast_context, evaluate, train_one_epoch
 from .logger import RunLogger
+from .preemption import StopRequest, make_skippable
 
 NO_WEIGHT_DECAY_EXTRA = ('*.mixing',)  # collaborative attention's mixing matrix, besides timm's 1-D rule
 
@@ -58,14 +59,30 @@ def state_dict_sha256(state_dict: Dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _gather_rng(dist_info: DistInfo) -> list:
-    """Every rank's RNG state, in rank order (a list of one on a single process)."""
-    state = rng_state()
+def _gather_rng(dist_info: DistInfo, state: Dict[str, Any]) -> list:
+    """Every rank's ``state`` (an RNG state), in rank order (a list of one on a single process)."""
     if not dist_info.distributed:
         return [state]
     states = [None] * dist_info.world_size
     dist.all_gather_object(states, state)
     return states
+
+
+def checkpoint_state(cfg: TrainConfig, model, optimizer, scheduler, loss_scaler, model_ema, epoch: int,
+                     num_updates: int, best_top1: float, best_epoch: int, rng_all: list, model_kwargs: Dict[str, Any],
+                     data_cfg: Dict[str, Any], metrics: Dict[str, Any], batches_done: int = 0) -> Dict[str, Any]:
+    """The training checkpoint (keys documented in :mod:`collab_vit.checkpoint`); ``epoch`` is the last finished one
+    and ``batches_done`` the batches already trained of the next (0 at an epoch boundary)."""
+    return {
+        'model': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
+        'scheduler': scheduler.state_dict(), 'scaler': loss_scaler.state_dict() if loss_scaler else None,
+        'model_ema': model_ema.module.state_dict() if model_ema is not None else None,
+        'epoch': epoch, 'batches_done': batches_done, 'step': num_updates, 'best_top1': best_top1,
+        'best_epoch': best_epoch, 'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model,
+        'model_kwargs': model_kwargs,
+        'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()},
+        'metrics': metrics,
+    }
 
 
 def _check_on_rank0(fn, dist_info: DistInfo) -> None:
@@ -84,13 +101,15 @@ def _check_on_rank0(fn, dist_info: DistInfo) -> None:
 def train(cfg: TrainConfig) -> Dict[str, Any]:
     """Run (or resume) training as configured; returns the final summary (also printed on rank 0)."""
     dist_info = init_distributed(cfg.device)
+    stop_request = StopRequest(cfg.output, dist_info.is_main)
     try:
-        return _train(cfg, dist_info)
+        return _train(cfg, dist_info, stop_request)
     finally:
+        stop_request.restore_handlers()
         cleanup_distributed()
 
 
-def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
+def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Dict[str, Any]:
     device = dist_info.device
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
@@ -106,6 +125,8 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
         save_config(cfg, os.path.join(cfg.output, 'config.yaml'))
     log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
                     cfg.experiment, cfg.resume)
+    if stop_request.clear_stale_file():
+        log.info(f'removed a stale {stop_request.stop_file} from an earlier invocation')
 
     # data
     if cfg.dataset == 'sklearn/digits' and dist_info.is_main:
@@ -140,6 +161,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
     prefetch = device.type == 'cuda'  # timm's GPU prefetcher path mixes in the collate function
     mixup = build_mixup(cfg, fast=prefetch)
     train_loader = build_train_loader(cfg, train_set, data_cfg, dist_info, collate_fn=mixup if prefetch else None)
+    skipper = make_skippable(train_loader)  # mid-epoch resume skips the batches already trained
     val_loader = build_eval_loader(val_set, data_cfg, cfg.batch_size, cfg.num_workers, dist_info, cfg.pin_memory)
     val_samples = shard_size(len(val_set), dist_info)
     if len(train_loader) == 0:
@@ -157,7 +179,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
                                        step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=updates_per_epoch)
 
     # resume
-    start_epoch, num_updates, best_top1, best_epoch, rng_states = 0, 0, -1.0, -1, None
+    start_epoch, num_updates, best_top1, best_epoch, rng_states, batches_done = 0, 0, -1.0, -1, None, 0
     if cfg.resume:
         ckpt = load_checkpoint(os.path.join(cfg.output, 'last.pth'))
         _unwrap(model).load_state_dict(ckpt['model'])
@@ -170,11 +192,15 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
         start_epoch, num_updates = ckpt['epoch'] + 1, ckpt['step']
         best_top1, best_epoch = ckpt['best_top1'], ckpt['best_epoch']
         rng_states = ckpt['rng']
+        batches_done = ckpt.get('batches_done', 0)  # > 0: stopped inside epoch start_epoch, rng is its start state
+        if batches_done and len(ckpt['rng_at_stop']) == dist_info.world_size:
+            skipper.rng_after_skip = ckpt['rng_at_stop'][dist_info.rank]
         if cfg.sched_on_updates:
             scheduler.step_update(num_updates)
         else:
             scheduler.step(start_epoch)
-        log.info(f'resumed {cfg.output} at epoch {start_epoch} (step {num_updates})')
+        within = f', after batch {batches_done} of that epoch' if batches_done else ''
+        log.info(f'resumed {cfg.output} at epoch {start_epoch}{within} (step {num_updates})')
 
     model_kwargs = {**cfg.model_kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes}
     key_dim = key_dim_of(_unwrap(model), cfg.model, cfg.model_kwargs)
@@ -192,13 +218,33 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
     epochs_run = 0
     for epoch in range(start_epoch, cfg.epochs):
         start = time.perf_counter()
+        epoch_rng = rng_state()  # what a mid-epoch checkpoint stores: the epoch's data order replays from it
+        skipper.skip = batches_done * cfg.batch_size
         if hasattr(train_loader.sampler, 'set_epoch'):
             train_loader.sampler.set_epoch(epoch)
         record, num_updates = train_one_epoch(
             model, train_loader, optimizer, train_loss, dist_info, epoch, num_updates, scheduler=scheduler,
             sched_on_updates=cfg.sched_on_updates, accum_steps=cfg.accum_steps, clip_grad=cfg.clip_grad,
             clip_mode=cfg.clip_mode, mixup_fn=None if prefetch else mixup, autocast=autocast,
-            loss_scaler=loss_scaler, model_ema=model_ema, progress=cfg.progress)
+            loss_scaler=loss_scaler, model_ema=model_ema, progress=cfg.progress, stop_request=stop_request)
+        epoch_batches = skipper.skip // cfg.batch_size + len(train_loader)
+        batches_done += record.pop('batches')
+        stopped = record.pop('stopped')
+        if stopped and batches_done < epoch_batches:
+            state = checkpoint_state(cfg, model, optimizer, scheduler, loss_scaler, model_ema, epoch - 1, num_updates,
+                                     best_top1, best_epoch, _gather_rng(dist_info, epoch_rng), model_kwargs, data_cfg,
+                                     record, batches_done)
+            state['rng_at_stop'] = _gather_rng(dist_info, rng_state())
+            if dist_info.is_main:
+                save_checkpoint(state, os.path.join(cfg.output, 'last.pth'))
+            barrier()
+            stop_request.acknowledge()
+            log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} after batch '
+                     f'{batches_done} (step {num_updates}); continue with --resume')
+            log.finish()
+            return {'stopped_at_epoch': epoch, 'batches_done': batches_done, 'step': num_updates,
+                    'output': cfg.output}
+        batches_done = 0
         if not cfg.sched_on_updates:
             scheduler.step(epoch + 1)
         is_last = epoch + 1 == cfg.epochs
@@ -213,17 +259,10 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
             best_top1, best_epoch = record['top1'], epoch
         record.update(epoch=epoch, step=num_updates, epoch_time=time.perf_counter() - start)
 
-        rng_all = _gather_rng(dist_info)
+        rng_all = _gather_rng(dist_info, rng_state())
         if dist_info.is_main:
-            state = {
-                'model': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
-                'scheduler': scheduler.state_dict(), 'scaler': loss_scaler.state_dict() if loss_scaler else None,
-                'model_ema': model_ema.module.state_dict() if model_ema is not None else None,
-                'epoch': epoch, 'step': num_updates, 'best_top1': best_top1, 'best_epoch': best_epoch,
-                'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model, 'model_kwargs': model_kwargs,
-                'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()},
-                'metrics': record,
-            }
+            state = checkpoint_state(cfg, model, optimizer, scheduler, loss_scaler, model_ema, epoch, num_updates,
+                                     best_top1, best_epoch, rng_all, model_kwargs, data_cfg, record)
             save_checkpoint(state, os.path.join(cfg.output, 'last.pth'))
             if is_best:
                 save_checkpoint(state, os.path.join(cfg.output, 'best.pth'))
@@ -231,11 +270,16 @@ def _train(cfg: TrainConfig, dist_info: DistInfo) -> Dict[str, Any]:
                 save_checkpoint(state, os.path.join(cfg.output, f'epoch_{epoch:04d}.pth'))
         log.log_epoch(record)
         epochs_run += 1
-        if cfg.stop_after and epochs_run >= cfg.stop_after and not is_last:
-            log.info(f'stopping after {epochs_run} epoch(s) as asked (stop_after); continue with --resume')
+        stop_reason = 'stop_after' if cfg.stop_after and epochs_run >= cfg.stop_after else None
+        if stopped or stop_reason:
+            stop_reason = stop_reason or stop_request.decided
+        if stop_reason and not is_last:
+            stop_request.acknowledge()
+            log.info(f'stopping after epoch {epoch} ({stop_reason}); continue with --resume')
             log.finish()
-            return {'stopped_at_epoch': epoch, 'output': cfg.output}
+            return {'stopped_at_epoch': epoch, 'batches_done': 0, 'step': num_updates, 'output': cfg.output}
 
+    stop_request.acknowledge()  # a stop asked for during the last epoch has nothing left to stop
     summary = {'model': cfg.model, 'key_dim': key_dim, 'params': num_params, 'top1': metrics.get('top1'),
                'top5': metrics.get('top5'), 'best_top1': best_top1, 'best_epoch': best_epoch, 'output': cfg.output,
                'rank': dist_info.rank, 'weights_sha256': state_dict_sha256(_unwrap(model).state_dict())}

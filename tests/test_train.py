@@ -23,7 +23,7 @@ RNG_HEAVY = dict(aa='rand-m9-mstd0.5-inc1', reprob=0.25, mixup=0.8, cutmix=1.0, 
 def test_resume_is_exact(tiny_data, tmp_path):
     full = train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'full'), **RNG_HEAVY)))
     stopped = train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'split'), stop_after=1, **RNG_HEAVY)))
-    assert stopped == {'stopped_at_epoch': 0, 'output': str(tmp_path / 'split')}
+    assert stopped == {'stopped_at_epoch': 0, 'batches_done': 0, 'step': 3, 'output': str(tmp_path / 'split')}
     assert not os.path.exists(tmp_path / 'split' / 'model.safetensors')
     resumed = train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'split'), resume=True, **RNG_HEAVY)))
     a, b = load_checkpoint(tmp_path / 'full' / 'last.pth'), load_checkpoint(tmp_path / 'split' / 'last.pth')

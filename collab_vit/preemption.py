@@ -1,0 +1,122 @@
+"""Stopping a run early and cleanly: on a signal or a ``STOP`` file, every rank leaves at the same optimizer update.
+
+Slurm (``--signal``), ``scancel --signal`` or a user sends SIGUSR1 / SIGTERM to the trainer, or anyone creates
+``<output>/STOP`` (the Slurm scripts do this when the batch shell is signalled: it reaches every node through the
+shared run directory). The training loop asks :meth:`StopRequest.should_stop` at each update boundary; the answer is
+agreed by all ranks, so they checkpoint after the same step and exit. Repeated signals change nothing (under Slurm a
+worker gets SIGTERM both from slurmstepd and from its torchrun agent); SIGINT (Ctrl-C) still ends a run at once.
+
+Mid-epoch resume: :class:`SkipFirstSampler` wraps the training loader's sampler so that the resumed epoch draws the
+same order (the epoch's start RNG state is restored first), skips the batches already trained without loading them,
+and then restores the RNG state saved at the stop, so that what runs in the main process afterwards (augmentation
+with ``num_workers=0``, mixup, drop path) draws the same numbers as an uninterrupted run. Data-loader workers are
+restarted and reseeded, so with ``num_workers > 0`` their augmentations differ from the uninterrupted run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Dict, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import set_rng_state
+
+STOP_FILE = 'STOP'
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopRequest:
+    """Collects stop requests (signals, ``<output>/STOP``) and turns them into one decision shared by all ranks."""
+
+    def __init__(self, output: str, is_main: bool, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
+        self.stop_file = os.path.join(output, STOP_FILE)
+        self.is_main = is_main
+        self.received: Optional[str] = None
+        self.decided: Optional[str] = None  # why the ranks agreed to stop ('another rank' where this one had none)
+        self._previous = {}
+        for sig in signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. a test runner): files still work
+                pass
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def clear_stale_file(self) -> bool:
+        """Remove a ``STOP`` file left from an earlier invocation (rank 0); True when there was one."""
+        if self.is_main and os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
+            return True
+        return False
+
+    def reason(self) -> Optional[str]:
+        """Why this rank wants to stop (a signal name or the stop file), or None."""
+        if self.received:
+            return self.received
+        if self.is_main and os.path.exists(self.stop_file):
+            return STOP_FILE
+        return None
+
+    def should_stop(self, device: torch.device) -> bool:
+        """True on every rank when any rank has a reason to stop (one all-reduce when distributed)."""
+        reason = self.reason()
+        wanted = reason is not None
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([1.0 if wanted else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            wanted = bool(flag.item())
+        if wanted:
+            self.decided = reason or 'another rank'
+        return wanted
+
+    def acknowledge(self) -> None:
+        """The checkpoint is written: remove the stop file so that the next invocation runs."""
+        if self.is_main and os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
+
+    def restore_handlers(self) -> None:
+        """Put back the signal handlers that were there before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class SkipFirstSampler(torch.utils.data.Sampler):
+    """``sampler`` with its first ``skip`` indices dropped; ``set_epoch`` passes through.
+
+    The wrapped sampler still draws its permutation as before. When ``rng_after_skip`` is set, that RNG state is
+    restored once the skipped indices are drawn (before the first kept one is used), then forgotten.
+    """
+
+    def __init__(self, sampler: torch.utils.data.Sampler, skip: int = 0) -> None:
+        self.sampler = sampler
+        self.skip = skip
+        self.rng_after_skip: Optional[Dict[str, Any]] = None
+
+    def __iter__(self) -> Iterator[int]:
+        for i, index in enumerate(self.sampler):
+            if i < self.skip:
+                continue
+            if self.rng_after_skip is not None:
+                set_rng_state(self.rng_after_skip)
+                self.rng_after_skip = None
+            yield index
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.skip, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, 'set_epoch'):
+            self.sampler.set_epoch(epoch)
+
+
+def make_skippable(loader) -> SkipFirstSampler:
+    """Wrap the sampler of a timm training loader (DataLoader or timm's PrefetchLoader) in a SkipFirstSampler."""
+    inner = getattr(loader, 'loader', loader)  # timm's PrefetchLoader keeps the DataLoader in .loader
+    batch_sampler = inner.batch_sampler
+    wrapped = SkipFirstSampler(batch_sampler.sampler)
+    batch_sampler.sampler = wrapped
+    return wrapped
