@@ -1,0 +1,233 @@
+"""The scripts in slurm/ submitted with sbatch to a real one-node Slurm cluster on this machine (CPU, gloo).
+
+The cluster comes from ``tests/slurm/cluster.sh`` (Debian's slurm-wlm and munge, installed by scripts/test.sh when
+the tests run as root). Tests skip, saying why, only where Slurm is not installed; a cluster that is installed but
+does not start fails them.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+
+from collab_vit.checkpoint import load_checkpoint, read_weights
+from collab_vit.config import build_config
+from collab_vit.train_loop import train
+
+from tinyrun import ROOT, tiny_data, tiny_overrides  # noqa: F401  (tiny_data is a fixture)
+
+CLUSTER = os.path.join(ROOT, 'tests', 'slurm', 'cluster.sh')
+SLURM_DIR = os.environ.get('SLURM_TEST_DIR', '/tmp/collab-vit-slurm')
+NOT_INSTALLED = ('Slurm is not installed on this machine (Debian packages slurm-wlm and munge; '
+                 '`bash tests/slurm/cluster.sh install` as root installs them)')
+# RNG consumers on (RandAugment, erasing, mixup/cutmix, drop path, EMA): a resumed run must still match exactly
+RECIPE = dict(aa='rand-m9-mstd0.5-inc1', reprob=0.25, mixup=0.8, cutmix=1.0, drop_path=0.1, model_ema=True,
+              model_ema_decay=0.9, deterministic=True, seed=5, eval_every=1000, progress=False)
+
+
+@pytest.fixture(scope='module')
+def slurm(tmp_path_factory):
+    """Environment for sbatch/squeue/scontrol talking to the local test cluster (started here if needed)."""
+    if not (shutil.which('sbatch') and shutil.which('slurmctld') and shutil.which('munged')):
+        pytest.skip(NOT_INSTALLED)
+    started = subprocess.run(['bash', CLUSTER, 'start'], capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, f'the local Slurm cluster did not start:\n{started.stdout}\n{started.stderr}'
+    env = {**os.environ, 'SLURM_CONF': os.path.join(SLURM_DIR, 'slurm.conf'), 'REPO_DIR': ROOT,
+           'VENV': sys.prefix, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
+    env.pop('SLURM_JOB_ID', None)
+    return env
+
+
+def tiny_config(tmp_path: Path, data_dir: str, name: str, **extra) -> str:
+    """A YAML config for a tiny model on the tiny ImageFolder (train_job sets the output directory)."""
+    cfg = tiny_overrides(data_dir, '', **extra)
+    del cfg['output']
+    path = tmp_path / f'{name}.yaml'
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def sbatch(env: dict, script: str, *args: str, options: tuple = (), extra_env: dict | None = None) -> str:
+    """Submit a script from slurm/ (from the checkout, as users do); returns the job id."""
+    out = subprocess.run(['sbatch', '--parsable', *options, os.path.join('slurm', script), *args], cwd=ROOT,
+                         env={**env, **(extra_env or {})}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(';')[0]
+
+
+def job_info(env: dict, job_id: str) -> dict:
+    text = subprocess.run(['scontrol', 'show', 'job', job_id], env=env, capture_output=True, text=True).stdout
+    return dict(field.split('=', 1) for field in text.split() if '=' in field)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f'timed out after {timeout:.0f} s waiting for {what}'
+        time.sleep(0.5)
+
+
+def wait_for_end(env: dict, job_id: str, timeout: float = 300) -> dict:
+    """Wait until the job (and any requeue of it) has ended; returns its ``scontrol show job`` fields."""
+    wait_until(lambda: job_info(env, job_id).get('JobState') in ('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT',
+                                                                   'NODE_FAIL', 'OUT_OF_MEMORY'),
+               timeout, f'job {job_id} to end')
+    return job_info(env, job_id)
+
+
+def lines(path: Path) -> list:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def read_all_logs(exp_dir: Path) -> str:
+    return ''.join(p.read_text() for p in sorted((exp_dir / 'logs').glob('*node*.log')))
+
+
+@pytest.fixture(scope='module')
+def trained(slurm, tiny_data, tmp_path_factory):
+    """One finished train.sbatch job: 2 processes on the node (DDP over gloo), 2 epochs."""
+    tmp = tmp_path_factory.mktemp('slurm_train')
+    config = tiny_config(tmp, tiny_data, 'tiny_ddp', epochs=2, progress=False)
+    job = sbatch(slurm, 'train.sbatch', config, options=(f'--output={tmp}/%x-%j.out',),
+                 extra_env={'RUNS_DIR': str(tmp / 'runs'), 'NPROC_PER_NODE': '2'})
+    info = wait_for_end(slurm, job)
+    return job, info, tmp / 'runs' / 'tiny_ddp', tmp
+
+
+def test_train_job_trains_and_checkpoints(trained):
+    job, info, exp_dir, tmp = trained
+    assert info['JobState'] == 'COMPLETED', (tmp / f'collab-vit-train-{job}.out').read_text()
+    ckpt = load_checkpoint(exp_dir / 'last.pth')
+    assert ckpt['epoch'] == 1 and len(ckpt['rng']) == 2  # both epochs, two ranks
+    assert ckpt['step'] == 6  # 24 images / (2 ranks x batch 4) = 3 updates per epoch
+    assert (exp_dir / 'model.safetensors').exists()
+    jobs_log = (exp_dir / 'logs' / 'jobs.log').read_text()
+    assert f'job {job} (restart 0): tiny_ddp on 1 node(s) x 2 process(es)' in jobs_log and 'finished' in jobs_log
+    assert 'on 2 x cpu' in read_all_logs(exp_dir)
+
+
+def test_finished_experiment_is_not_rerun(slurm, trained):
+    _, _, exp_dir, tmp = trained
+    before = (exp_dir / 'last.pth').stat().st_mtime_ns
+    config = str(tmp / 'tiny_ddp.yaml')
+    job = sbatch(slurm, 'train.sbatch', config, options=(f'--output={tmp}/again-%j.out',),
+                 extra_env={'RUNS_DIR': str(exp_dir.parent)})
+    assert wait_for_end(slurm, job)['JobState'] == 'COMPLETED'
+    assert 'already finished' in (tmp / f'again-{job}.out').read_text()
+    assert (exp_dir / 'last.pth').stat().st_mtime_ns == before
+
+
+def test_eval_job_reproduces_the_training_accuracy(slurm, trained, tiny_data):
+    job, _, exp_dir, tmp = trained
+    weights = exp_dir / 'model.safetensors'
+    eval_job = sbatch(slurm, 'eval.sbatch', str(weights), '--data-dir', tiny_data, '--cpu-threads', '1',
+                      options=(f'--output={tmp}/%x-%j.out',))
+    assert wait_for_end(slurm, eval_job)['JobState'] == 'COMPLETED', (tmp / f'collab-vit-eval-{eval_job}.out').read_text()
+    results = json.loads((exp_dir / f'eval-model-{eval_job}.json').read_text())
+    _, meta = read_weights(str(weights))
+    assert results['top1'] == pytest.approx(meta['metrics']['top1'])
+
+
+def test_stopped_and_requeued_job_resumes_to_the_uninterrupted_result(slurm, tiny_data, tmp_path):
+    """Time-limit warning (SIGUSR1 to the batch shell), then a requeue (SIGTERM, as preemption does): the job
+    checkpoints mid-run each time, comes back, resumes from last.pth and ends bit-identical to an uninterrupted run."""
+    epochs = 150
+    config = tiny_config(tmp_path, tiny_data, 'tiny_long', epochs=epochs, **RECIPE)
+    exp_dir = tmp_path / 'runs' / 'tiny_long'
+    job = sbatch(slurm, 'train.sbatch', config, options=(f'--output={tmp_path}/%x-%j.out',),
+                 extra_env={'RUNS_DIR': str(tmp_path / 'runs')})
+    wait_until(lambda: len(lines(exp_dir / 'log.jsonl')) >= 2, 240, 'the first epochs')
+    subprocess.run(['scancel', '--batch', '--signal=USR1', job], env=slurm, check=True)  # what --signal=B:USR1 does
+    wait_until(lambda: 'resumed' in read_all_logs(exp_dir), 240, 'the requeued job to resume')
+    done = len(lines(exp_dir / 'log.jsonl'))
+    wait_until(lambda: len(lines(exp_dir / 'log.jsonl')) >= done + 2, 240, 'the resumed job to train')
+    subprocess.run(['scontrol', 'requeue', job], env=slurm, check=True)  # preemption: SIGTERM, then requeue
+    info = wait_for_end(slurm, job, timeout=600)
+    batch_log = (tmp_path / f'collab-vit-train-{job}.out').read_text()
+    assert info['JobState'] == 'COMPLETED' and info['Restarts'] == '2', batch_log
+    logs = read_all_logs(exp_dir)
+    assert '(STOP)' in logs and '(SIGTERM)' in logs, logs[-3000:]  # mid-epoch or at an epoch's last update
+    assert logs.count('resumed') == 2 and 'SIGUSR1: asked the trainer to checkpoint' in batch_log
+    assert batch_log.count('--resume ->') == 2 and 'checkpoint saved, requeueing' in batch_log
+    epochs_logged = [json.loads(x)['epoch'] for x in lines(exp_dir / 'log.jsonl')]
+    assert sorted(set(epochs_logged)) == list(range(epochs))
+    assert not (exp_dir / 'STOP').exists()
+
+    reference = train(build_config(config, {'output': str(tmp_path / 'reference'), 'cpu_threads': 1}))
+    a, b = load_checkpoint(exp_dir / 'last.pth'), load_checkpoint(tmp_path / 'reference' / 'last.pth')
+    assert a['step'] == b['step'] == epochs * 6
+    for part in ('model', 'model_ema'):
+        for k in b[part]:
+            assert torch.equal(a[part][k], b[part][k]), f'{part}.{k} differs from the uninterrupted run'
+    assert reference['top1'] == pytest.approx(json.loads(lines(exp_dir / 'log.jsonl')[-1])['top1'])
+
+
+def test_sweep_array_trains_every_config(slurm, tiny_data, tmp_path):
+    configs = [tiny_config(tmp_path, tiny_data, name, epochs=1, model_kwargs=dict(kwargs))
+               for name, kwargs in (('sweep_k24', {'key_dim': 24, 'patch_size': 8, 'depth': 1, 'embed_dim': 48,
+                                                   'num_heads': 3}),
+                                    ('sweep_k12', {'key_dim': 12, 'patch_size': 8, 'depth': 1, 'embed_dim': 48,
+                                                   'num_heads': 3}))]
+    job = sbatch(slurm, 'sweep.sbatch', options=('--array=0-1', f'--output={tmp_path}/%x-%A_%a.out'),
+                 extra_env={'RUNS_DIR': str(tmp_path / 'runs'), 'SWEEP_CONFIGS': ' '.join(configs)})
+    for task in (0, 1):
+        assert wait_for_end(slurm, f'{job}_{task}')['JobState'] == 'COMPLETED'
+    for name, key_dim in (('sweep_k24', 24), ('sweep_k12', 12)):
+        _, meta = read_weights(str(tmp_path / 'runs' / name / 'model.safetensors'))
+        assert meta['model_kwargs']['key_dim'] == key_dim
+
+
+def test_convert_job_writes_a_collaborative_checkpoint(slurm, tmp_path):
+    source = tmp_path / 'deit_tiny.pth'
+    torch.save(timm.create_model('deit_tiny_patch16_224').state_dict(), source)
+    out = tmp_path / 'converted' / 'deit_tiny_k96.safetensors'
+    job = sbatch(slurm, 'convert.sbatch', '--model', 'deit_tiny_patch16_224', '--checkpoint', str(source),
+                 '--key-dim', '96', '--out', str(out), options=(f'--output={tmp_path}/%x-%j.out',))
+    assert wait_for_end(slurm, job)['JobState'] == 'COMPLETED', (tmp_path / f'collab-vit-convert-{job}.out').read_text()
+    _, meta = read_weights(str(out))
+    assert meta['model_name'] == 'collab_deit_tiny_patch16_224' and (out.parent / 'logs').is_dir()
+
+
+def test_bad_config_fails_the_job_with_a_clear_message(slurm, tmp_path):
+    job = sbatch(slurm, 'train.sbatch', 'configs/no_such_config.yaml', options=(f'--output={tmp_path}/%x-%j.out',),
+                 extra_env={'RUNS_DIR': str(tmp_path / 'runs')})
+    assert wait_for_end(slurm, job)['JobState'] == 'FAILED'
+    assert 'error: config not found: configs/no_such_config.yaml' in (tmp_path / f'collab-vit-train-{job}.out').read_text()
+    assert not (tmp_path / 'runs').exists()
+
+
+def test_two_torchrun_agents_meet_through_the_launch_script(tiny_data, tmp_path):
+    """The multi-node path without Slurm: slurm/launch.sh twice on localhost, --nnodes=2, c10d rendezvous."""
+    config = tiny_config(tmp_path, tiny_data, 'two_nodes', epochs=1)
+    env = {**os.environ, 'NNODES': '2', 'NPROC_PER_NODE': '1', 'RDZV_ENDPOINT': '127.0.0.1:29611',
+           'RDZV_ID': f'test-{os.getpid()}', 'PYTHON': sys.executable, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': ROOT}
+    agents = [subprocess.Popen(['bash', 'slurm/launch.sh', 'train.py', '-c', config, '--output',
+                                str(tmp_path / 'run')], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], '\n'.join(o[-2000:] for o in outputs)
+    assert 'on 2 x cpu' in ''.join(outputs)  # one world of two ranks, one on each agent
+    ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
+    assert len(ckpt['rng']) == 2 and ckpt['step'] == 3
+
+
+def test_shell_scripts_pass_shellcheck():
+    if not shutil.which('shellcheck'):
+        pytest.skip('shellcheck is not installed (Debian package shellcheck; `bash tests/slurm/cluster.sh install`)')
+    scripts = [str(p.relative_to(ROOT)) for p in sorted(Path(ROOT, 'slurm').iterdir())] + [
+        'tests/slurm/cluster.sh', 'scripts/test.sh', 'scripts/quickstart.sh', '.ci/run']
+    out = subprocess.run(['shellcheck', '-x', *scripts], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
