@@ -49,13 +49,31 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(num_heads)]
 
 
+def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
+                    is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` written out, as timm's ``Attention`` without ``fused_attn``."""
+    attn = (q * scale) @ k.transpose(-2, -1)
+    attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
+    attn = F.dropout(attn.softmax(dim=-1), dropout_p)
+    return attn @ v
+
+
 @torch.fx.wrap
 @register_notrace_function
-def pad_head_dims(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zero-pad q/k or v to equal head dims where torch's fast SDPA kernel needs them (the CPU flash kernel)."""
-    return equal_head_dims(q, k, v) if q.device.type == "cpu" else (q, k, v)
+def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
+                 is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """``scaled_dot_product_attention``, zero-padding head dims to equal width for torch's CPU flash kernel (exact).
+
+    Without gradients on CPU, the explicit product where padding would cost the flash kernel more (``pad_pays``).
+    """
+    value_dim = v.shape[-1]
+    if q.device.type == "cpu":
+        if not torch.is_grad_enabled() and not pad_pays(q.shape[-1], value_dim):
+            return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
+        q, k, v = equal_head_dims(q, k, v)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out[..., :value_dim]
 
 
 def attend(
@@ -70,19 +88,11 @@ def attend(
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` per head, with the mask semantics of timm's ``Attention``.
 
-    ``fused`` goes through ``scaled_dot_product_attention``; otherwise the explicit product (same result). Without
-    gradients on CPU the explicit product also serves where padding head dims would cost the flash kernel more.
+    ``fused`` goes through ``fused_attend`` (SDPA); otherwise the explicit product (same result).
     """
-    if fused and (torch.is_grad_enabled() or q.device.type != "cpu" or pad_pays(q.shape[-1], v.shape[-1])):
-        value_dim = v.shape[-1]
-        q, k, v = pad_head_dims(q, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-        return out[..., :value_dim]
-    attn = (q * scale) @ k.transpose(-2, -1)
-    attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
-    attn = F.dropout(attn.softmax(dim=-1), dropout_p)
-    return attn @ v
+    if fused:
+        return fused_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
+    return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
 
 
 @torch.fx.wrap
