@@ -19,6 +19,8 @@ from timm.layers import Attention, use_fused_attn
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import register_notrace_function
 
+from .attention_core import CollaborativeCore, equal_head_dims, pad_pays, sdpa_recomputing
+
 MixingInit = Literal["concatenate", "random"]
 MIXING_INITS = ("concatenate", "random")
 
@@ -47,21 +49,31 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(num_heads)]
 
 
+def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
+                    is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` written out, as timm's ``Attention`` without ``fused_attn``."""
+    attn = (q * scale) @ k.transpose(-2, -1)
+    attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
+    attn = F.dropout(attn.softmax(dim=-1), dropout_p)
+    return attn @ v
+
+
 @torch.fx.wrap
 @register_notrace_function
-def pad_head_dims(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zero-pad q/k or v to equal head dims where torch's fast SDPA kernel needs them (the CPU flash kernel).
+def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
+                 is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """``scaled_dot_product_attention``, zero-padding head dims to equal width for torch's CPU flash kernel (exact).
 
-    Exact: zero q/k columns add nothing to the logits; zero v columns give zero outputs, sliced off afterwards.
+    Without gradients on CPU, the explicit product where padding would cost the flash kernel more (``pad_pays``).
     """
-    e, ev = q.shape[-1], v.shape[-1]
-    if e == ev or q.device.type != "cpu":
-        return q, k, v
-    if e > ev:
-        return q, k, F.pad(v, (0, e - ev))
-    return F.pad(q, (0, ev - e)), F.pad(k, (0, ev - e)), v
+    value_dim = v.shape[-1]
+    if q.device.type == "cpu":
+        if not torch.is_grad_enabled() and not pad_pays(q.shape[-1], value_dim):
+            return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
+        q, k, v = equal_head_dims(q, k, v)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out[..., :value_dim]
 
 
 def attend(
@@ -76,18 +88,11 @@ def attend(
 ) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` per head, with the mask semantics of timm's ``Attention``.
 
-    ``fused`` goes through ``scaled_dot_product_attention``; otherwise the explicit product (same result).
+    ``fused`` goes through ``fused_attend`` (SDPA); otherwise the explicit product (same result).
     """
     if fused:
-        value_dim = v.shape[-1]
-        q, k, v = pad_head_dims(q, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-        return out[..., :value_dim]
-    attn = (q * scale) @ k.transpose(-2, -1)
-    attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
-    attn = F.dropout(attn.softmax(dim=-1), dropout_p)
-    return attn @ v
+        return fused_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
+    return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
 
 
 @torch.fx.wrap
@@ -103,31 +108,15 @@ def fused_attend_recomputing(
         is_causal: bool,
         dropout_p: float,
 ) -> torch.Tensor:
-    """Fused attention on the mixed queries ``q diag(m_i)`` without autograd storing the Nh x larger tensors.
+    """Fused attention on the mixed queries ``q diag(m_i)`` (eq. 5) without autograd storing Nh x larger tensors.
 
-    SDPA would save its inputs for backward: the mixed queries (Nh x the shared ones) and any padded copies. A
-    saved-tensor hook stores a recipe for each instead and recomputes it (one multiply or pad) in backward.
+    On CPU without dropout, ``CollaborativeCore`` stores only the shared queries/keys, values, mask, output and row
+    log-sum-exp, and recomputes the attention weights in backward; elsewhere ``sdpa_recomputing``.
     """
-    shared, weights, keys, values = q.detach(), mixing.detach(), k.detach(), v.detach()
-
-    def inputs(q_shared: torch.Tensor, m: torch.Tensor, k_shared: torch.Tensor, v_heads: torch.Tensor):
-        mixed = q_shared.unsqueeze(1) * m.unsqueeze(1)  # (B, Nh, N, D~k), eq. 5
-        return pad_head_dims(mixed, k_shared.unsqueeze(1).expand(-1, m.shape[0], -1, -1), v_heads)
-
-    q_in, k_in, v_in = inputs(q, mixing, k, v)
-    recipes = {(t.data_ptr(), t.shape): i for i, t in enumerate((q_in, k_in, v_in)) if t.data_ptr() != v.data_ptr()}
-
-    def pack(tensor: torch.Tensor):
-        index = recipes.get((tensor.data_ptr(), tensor.shape))
-        return tensor if index is None else index
-
-    def unpack(packed):
-        return inputs(shared, weights, keys, values)[packed] if isinstance(packed, int) else packed
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = F.scaled_dot_product_attention(
-            q_in, k_in, v_in, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-    return out[..., :v.shape[-1]]
+    if q.device.type == "cpu" and dropout_p == 0.:
+        return CollaborativeCore.apply(q, mixing, k, v, resolve_self_attn_mask(q.shape[-2], q, attn_mask, is_causal),
+                                       scale)
+    return sdpa_recomputing(q, mixing, k, v, scale, attn_mask, is_causal, dropout_p)
 
 
 class HeadOutput(nn.Module):
@@ -237,8 +226,8 @@ class CollaborativeAttention(HeadOutput):
             attn_mask = maybe_add_mask(content, resolve_self_attn_mask(N, content, attn_mask, is_causal))
             is_causal = False
         dropout_p = self.attn_drop.p if self.training else 0.
-        eager_training = not (torch.jit.is_scripting() or torch.compiler.is_compiling()) and torch.is_grad_enabled()
-        if not (eager_training and self.fused_attn):
+        eager = not (torch.jit.is_scripting() or torch.compiler.is_compiling())
+        if not (eager and self.fused_attn):
             # Mixed queries q_i = q diag(m_i) (eq. 5); keys broadcast to every head without a copy.
             q = q.unsqueeze(1) * self.mixing.unsqueeze(1)  # (B, Nh, N, D~k)
             k = k.unsqueeze(1).expand(B, self.num_heads, N, self.key_dim)

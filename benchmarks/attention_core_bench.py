@@ -1,0 +1,139 @@
+"""Attention core and one attention layer, collaborative vs timm, CPU fp32 (issue #3; results in attention_notes.md).
+
+Core (B=16, Nh=12, N=197, value head dim 64, additive (B, Nh, 1, N) mask as the content bias makes it): forward and
+forward+backward of ``CollaborativeCore`` vs the previous path (SDPA on padded head dims under a recompute hook) vs
+SDPA's math kernel vs timm's 64/64 SDPA, and the bytes autograd saves. Layer: one train step (forward+backward) of
+``CollaborativeAttention`` (new and previous path) vs timm's ``Attention``. Short runs: median of ``--repeats``.
+
+    PYTHONPATH=. python benchmarks/attention_core_bench.py --repeats 5
+"""
+import argparse
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Callable
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from collab_vit import CollaborativeAttention, attention
+from collab_vit.attention_core import CollaborativeCore, sdpa_recomputing
+from collab_vit.benchmark import saved_activation_bytes
+
+B, H, N, D = 16, 12, 197, 64
+
+
+def median_ms(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def saved_mib(step: Callable[[], object], hidden: bool) -> str:
+    """MiB autograd saves; the previous path's own saved-tensor hook hides what SDPA saves from ours ("hidden")."""
+    return "hidden" if hidden else f"{saved_activation_bytes(step) / 2**20:.1f}"
+
+
+def math_sdpa(q, mixing, k, v, mask, scale):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q.unsqueeze(1) * mixing.unsqueeze(1), k.unsqueeze(1).expand(-1, H, -1, -1),
+                                              v, attn_mask=mask, scale=scale)
+
+
+CORES = {
+    "new (CollaborativeCore)": lambda q, m, k, v, mask, s: CollaborativeCore.apply(q, m, k, v, mask, s),
+    "previous (padded SDPA, hook)": lambda q, m, k, v, mask, s: sdpa_recomputing(q, m, k, v, s, mask, False, 0.),
+    "SDPA math kernel": math_sdpa,
+}
+
+
+def core_rows(key_dim: int, repeats: int) -> list[str]:
+    torch.manual_seed(0)
+    q, k = torch.randn(B, N, key_dim, requires_grad=True), torch.randn(B, N, key_dim, requires_grad=True)
+    mixing, mask = torch.randn(H, key_dim, requires_grad=True), torch.randn(B, H, 1, N, requires_grad=True)
+    v = torch.randn(B, H, N, D, requires_grad=True)
+    rows = []
+    for name, core in CORES.items():
+        def forward() -> None:
+            with torch.no_grad():
+                core(q, mixing, k, v, mask, 0.125)
+
+        def train() -> None:
+            core(q, mixing, k, v, mask, 0.125).sum().backward()
+
+        rows.append(f"| {key_dim} | {name} | {median_ms(forward, repeats):.1f} | {median_ms(train, repeats):.1f} | "
+                    f"{saved_mib(lambda: core(q, mixing, k, v, mask, 0.125), name.startswith('previous'))} |")
+    return rows
+
+
+def timm_core_row(repeats: int) -> str:
+    q, k, v = (torch.randn(B, H, N, D, requires_grad=True) for _ in range(3))
+
+    def forward() -> None:
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v)
+
+    def train() -> None:
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    saved = saved_activation_bytes(lambda: F.scaled_dot_product_attention(q, k, v)) / 2**20
+    return f"| 64 (timm) | SDPA flash | {median_ms(forward, repeats):.1f} | {median_ms(train, repeats):.1f} | {saved:.1f} |"
+
+
+def layer_rows(repeats: int) -> list[str]:
+    torch.manual_seed(0)
+    x = torch.randn(B, N, 768)
+    layers = {"timm Attention": (Attention(768, H, qkv_bias=True), False)}
+    for key_dim in (768, 384, 192):
+        layer = CollaborativeAttention(768, H, key_dim=key_dim, qkv_bias=True)
+        layers[f"collab k{key_dim} new"] = (layer, False)
+        layers[f"collab k{key_dim} previous"] = (layer, True)
+    rows = []
+    for name, (layer, previous) in layers.items():
+        patch = mock.patch.object(attention, "CollaborativeCore", PreviousCore) if previous else nullcontext()
+        with patch:
+            def train() -> None:
+                layer(x).sum().backward()
+
+            def infer() -> None:
+                with torch.no_grad():
+                    layer(x)
+
+            rows.append(f"| {name} | {median_ms(infer, repeats):.1f} | {median_ms(train, repeats):.1f} | "
+                        f"{saved_mib(lambda: layer(x), previous)} |")
+    return rows
+
+
+class PreviousCore:
+    """Stands in for ``CollaborativeCore`` in ``fused_attend_recomputing``: the path before it."""
+
+    @staticmethod
+    def apply(q, mixing, k, v, mask, scale):
+        return sdpa_recomputing(q, mixing, k, v, scale, mask, False, 0.)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--key-dims", type=int, nargs="+", default=[768, 384, 192])
+    parser.add_argument("--skip-layers", action="store_true")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| key dim | core | forward ms | fwd+bwd ms | saved MiB |\n|---:|---|---:|---:|---:|")
+    for key_dim in args.key_dims:
+        print("\n".join(core_rows(key_dim, args.repeats)), flush=True)
+    print(timm_core_row(args.repeats), flush=True)
+    if not args.skip_layers:
+        print("\n| layer (B=16, N=197, dim 768) | forward ms | train step ms | saved MiB |\n|---|---:|---:|---:|")
+        print("\n".join(layer_rows(args.repeats)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The collaborative attention core on CPU: ``softmax(scale * (q diag(m_i)) k^T + mask) v_i`` for every head i (eq. 5).
+
+All heads share the queries ``q`` and keys ``k`` (B, N, D~k); head i only re-weights the shared dims with ``m_i``. So
+the logits of all heads are ONE batched matmul ``(B, Nh*N, D~k) @ (B, D~k, N)``, and in backward the key gradient's
+sum over heads is the contraction of that same matmul. ``CollaborativeCore`` saves only the small tensors (shared
+queries and keys, mixing, values, mask, output and the row log-sum-exp); the (B, Nh, N, N) weights and the Nh x larger
+mixed queries exist only transiently, in forward and again in backward. Measurements: ``benchmarks/attention_notes.md``.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def flash_pays(key_dim: int, head_dim: int) -> bool:
+    """Whether torch's CPU flash kernel, on head dims zero-padded to equal width, beats the grouped matmuls.
+
+    Measured on a 2-core AVX-512 Xeon (B=16, Nh=12, N=197, value head dim 64, forward): flash 15 ms vs 33 ms at
+    D~k = 64 (no padding), even at 128 (24 vs 21), behind from 192 (35 vs 26) to 768 (184 vs 86 ms). Padding the
+    queries/keys up to the value head dim costs the flash kernel little, so every D~k below the head dim pads.
+    """
+    return key_dim <= 2 * head_dim
+
+
+def equal_head_dims(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad q/k or v to equal head dims, as torch's CPU flash kernel needs them.
+
+    Exact: zero q/k columns add nothing to the logits; zero v columns give zero outputs, sliced off afterwards.
+    """
+    e, ev = q.shape[-1], v.shape[-1]
+    if e > ev:
+        return q, k, F.pad(v, (0, e - ev))
+    if e < ev:
+        return F.pad(q, (0, ev - e)), F.pad(k, (0, ev - e)), v
+    return q, k, v
+
+
+def pad_pays(qk_dim: int, v_dim: int) -> bool:
+    """Whether CPU flash on zero-padded head dims beats the explicit product (inference; ``attention_notes.md``).
+
+    Measured per head (B=16, Nh=12, N=197, v 64, forward ms, flash vs explicit): q/k 8: 17 vs 11; 16: 14 vs 25;
+    32: 14 vs 29; 128: 24 vs 40; 256: 62 vs 41. Padding q/k is cheap up to 4x, padding v up to 2x.
+    """
+    return v_dim <= 4 * qk_dim if qk_dim < v_dim else qk_dim <= 2 * v_dim
+
+
+def mixed_queries(q: torch.Tensor, mixing: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q diag(m_i)`` for every head (eq. 5), as (B, Nh, N, D~k)."""
+    return q.unsqueeze(1) * (mixing * scale).unsqueeze(1)
+
+
+def logits(q_mixed: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``q_i k^T + mask`` of all heads in one ``bmm`` over (B, Nh*N, D~k): a new (B, Nh, N, N) tensor."""
+    B, H, N, e = q_mixed.shape
+    scores = torch.bmm(q_mixed.reshape(B, H * N, e), k.transpose(1, 2)).view(B, H, N, k.shape[1])
+    return scores if mask is None else scores.add_(mask)
+
+
+def flash_forward(q_mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and row log-sum-exp from torch's CPU flash kernel, zero-padding head dims to equal width (exact)."""
+    e, ev = q_mixed.shape[-1], v.shape[-1]
+    q_mixed, keys, v = equal_head_dims(q_mixed, k.unsqueeze(1).expand(-1, q_mixed.shape[1], -1, -1), v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_mixed, keys, v, attn_mask=mask, scale=1.)
+    return out[..., :ev], lse
+
+
+def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (B, Nh, N, dh) and row log-sum-exp (B, Nh, N), by whichever of the two is faster.
+
+    The output is laid out as (B, N, Nh, dh), so merging the heads afterwards is a view: autograd then saves one
+    tensor (this output) where it would save two (this output and the merged copy that the projection takes).
+    """
+    q_mixed = mixed_queries(q, mixing, scale)
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    if flash_pays(q.shape[-1], v.shape[-1]):
+        out, lse = flash_forward(q_mixed, k, v, mask)
+    else:
+        scores = logits(q_mixed, k, mask)
+        del q_mixed
+        lse = torch.logsumexp(scores, dim=-1)
+        out = scores.sub_(lse.unsqueeze(-1)).exp_() @ v
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse
+
+
+class CollaborativeCore(torch.autograd.Function):
+    """Eq. 5 attention whose backward recomputes the weights ``P = exp(logits - lse)`` instead of storing them.
+
+    Backward, with ``dS = P * (dO v^T - rowsum(dO * O))`` (softmax), ``Q_i = scale * q diag(m_i)`` (eq. 5):
+    ``dv = P^T dO``; ``dq = sum_i (dS_i k) diag(scale m_i)``; ``dm_i = scale * sum_{b,n} (dS_i k) * q``;
+    ``dk = sum_i dS_i^T Q_i`` (one matmul over the stacked heads); ``dmask = dS`` summed to the mask's shape.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        out, lse = core_forward(q, mixing, k, v, scale, mask)
+        ctx.scale = scale
+        ctx.save_for_backward(q, mixing, k, v, mask, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, mixing, k, v, mask, out, lse = ctx.saved_tensors
+        need_q, need_m, need_k, need_v, need_mask, _ = ctx.needs_input_grad
+        B, H, N, _ = out.shape
+        scaled_mixing = mixing * ctx.scale
+        q_mixed = q.unsqueeze(1) * scaled_mixing.unsqueeze(1)
+        weights = logits(q_mixed, k, None if mask is None else mask.to(q.dtype)).sub_(lse.unsqueeze(-1)).exp_()
+        grad_v = weights.transpose(-2, -1) @ grad_out if need_v else None
+        delta = (grad_out * out).sum(-1, keepdim=True)
+        grad_scores = (grad_out @ v.transpose(-2, -1)).sub_(delta).mul_(weights)  # dS
+        del weights
+        grad_mask = grad_scores.sum_to_size(mask.shape).to(mask.dtype) if need_mask else None
+        grad_q = grad_m = grad_k = None
+        stacked = grad_scores.view(B, H * N, N)
+        if need_k:
+            grad_k = torch.bmm(stacked.transpose(1, 2), q_mixed.view(B, H * N, -1))
+        del q_mixed
+        if need_q or need_m:
+            grad_mixed = torch.bmm(stacked, k).view(B, H, N, -1)  # d logits / d Q_i, (B, Nh, N, D~k)
+            if need_q:
+                grad_q = (grad_mixed * scaled_mixing.unsqueeze(1)).sum(1)
+            if need_m:
+                grad_m = (grad_mixed * q.unsqueeze(1)).sum((0, 2)).mul_(ctx.scale)
+        return grad_q, grad_m, grad_k, grad_v, grad_mask, None
+
+
+def sdpa_recomputing(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     attn_mask: Optional[torch.Tensor], is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """SDPA on the mixed queries (eq. 5) under a saved-tensor hook: any device, dropout too.
+
+    SDPA saves its inputs for backward; the hook stores a recipe for the mixed queries (Nh x the shared ones) and any
+    padded copies instead, and recomputes them (one multiply or pad) in backward.
+    """
+    shared, weights, keys, values = q.detach(), mixing.detach(), k.detach(), v.detach()
+
+    def inputs(q_shared: torch.Tensor, m: torch.Tensor, k_shared: torch.Tensor, v_heads: torch.Tensor):
+        mixed = q_shared.unsqueeze(1) * m.unsqueeze(1)  # (B, Nh, N, D~k), eq. 5
+        k_heads = k_shared.unsqueeze(1).expand(-1, m.shape[0], -1, -1)
+        return equal_head_dims(mixed, k_heads, v_heads) if mixed.device.type == "cpu" else (mixed, k_heads, v_heads)
+
+    q_in, k_in, v_in = inputs(q, mixing, k, v)
+    recipes = {(t.data_ptr(), t.shape): i for i, t in enumerate((q_in, k_in, v_in)) if t.data_ptr() != v.data_ptr()}
+
+    def pack(tensor: torch.Tensor):
+        index = recipes.get((tensor.data_ptr(), tensor.shape))
+        return tensor if index is None else index
+
+    def unpack(packed):
+        return inputs(shared, weights, keys, values)[packed] if isinstance(packed, int) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = F.scaled_dot_product_attention(
+            q_in, k_in, v_in, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out[..., :v.shape[-1]]
