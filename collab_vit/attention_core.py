@@ -68,24 +68,52 @@ def flash_forward(q_mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[..., :ev], lse
 
 
+CHUNK_BYTES = 4 << 20  # working set of one chunk's (c, Nh, N, N) weights: stays in cache and in reused heap blocks
+
+
+def batch_chunks(batch: int, heads: int, queries: int, keys: int) -> list[slice]:
+    """Slices of the batch whose attention weights take about ``CHUNK_BYTES`` each (at least one sample).
+
+    Measured (``attention_notes.md``): one (16, 12, 197, 197) float32 tensor of weights is 30 MB; computed in chunks
+    of 1 to 2 samples, a k192 layer's forward went from 92 to 163 ms (noisy, allocation-bound) to about 80 ms.
+    """
+    per_sample = heads * queries * keys * 4
+    step = max(1, CHUNK_BYTES // per_sample)
+    return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
+
+
+def mask_rows(mask: Optional[torch.Tensor], rows: slice, batch: int) -> Optional[torch.Tensor]:
+    """The part of a broadcastable additive mask that applies to the batch rows ``rows``."""
+    if mask is None or mask.dim() < 4 or mask.shape[0] != batch or batch == 1:
+        return mask
+    return mask[rows]
+
+
 def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output (B, Nh, N, dh) and row log-sum-exp (B, Nh, N), by whichever of the two is faster.
 
-    The output is laid out as (B, N, Nh, dh), so merging the heads afterwards is a view: autograd then saves one
-    tensor (this output) where it would save two (this output and the merged copy that the projection takes).
+    Works through the batch in chunks (``batch_chunks``). The output is laid out as (B, N, Nh, dh), so merging the
+    heads afterwards is a view: autograd then saves one tensor (this output) where it would save two.
     """
-    q_mixed = mixed_queries(q, mixing, scale)
+    B, N, _ = q.shape
+    H, ev = mixing.shape[0], v.shape[-1]
     if mask is not None and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
-    if flash_pays(q.shape[-1], v.shape[-1]):
-        out, lse = flash_forward(q_mixed, k, v, mask)
-    else:
-        scores = logits(q_mixed, k, mask)
+    out = q.new_empty(B, N, H, ev).transpose(1, 2)
+    lse = q.new_empty(B, H, N)
+    use_flash = flash_pays(q.shape[-1], ev)
+    for rows in batch_chunks(B, H, N, k.shape[1]):
+        q_mixed = mixed_queries(q[rows], mixing, scale)
+        if use_flash:
+            out[rows], lse[rows] = flash_forward(q_mixed, k[rows], v[rows], mask_rows(mask, rows, B))
+            continue
+        scores = logits(q_mixed, k[rows], mask_rows(mask, rows, B))
         del q_mixed
-        lse = torch.logsumexp(scores, dim=-1)
-        out = scores.sub_(lse.unsqueeze(-1)).exp_() @ v
-    return out.transpose(1, 2).contiguous().transpose(1, 2), lse
+        row_lse = torch.logsumexp(scores, dim=-1)
+        lse[rows] = row_lse
+        out[rows] = scores.sub_(row_lse.unsqueeze(-1)).exp_() @ v[rows]
+    return out, lse
 
 
 class CollaborativeCore(torch.autograd.Function):
@@ -94,6 +122,7 @@ class CollaborativeCore(torch.autograd.Function):
     Backward, with ``dS = P * (dO v^T - rowsum(dO * O))`` (softmax), ``Q_i = scale * q diag(m_i)`` (eq. 5):
     ``dv = P^T dO``; ``dq = sum_i (dS_i k) diag(scale m_i)``; ``dm_i = scale * sum_{b,n} (dS_i k) * q``;
     ``dk = sum_i dS_i^T Q_i`` (one matmul over the stacked heads); ``dmask = dS`` summed to the mask's shape.
+    Forward and backward both work through the batch in chunks (``batch_chunks``).
     """
 
     @staticmethod
@@ -110,24 +139,37 @@ class CollaborativeCore(torch.autograd.Function):
         need_q, need_m, need_k, need_v, need_mask, _ = ctx.needs_input_grad
         B, H, N, _ = out.shape
         scaled_mixing = mixing * ctx.scale
-        q_mixed = q.unsqueeze(1) * scaled_mixing.unsqueeze(1)
-        weights = logits(q_mixed, k, None if mask is None else mask.to(q.dtype)).sub_(lse.unsqueeze(-1)).exp_()
-        grad_v = weights.transpose(-2, -1) @ grad_out if need_v else None
-        delta = (grad_out * out).sum(-1, keepdim=True)
-        grad_scores = (grad_out @ v.transpose(-2, -1)).sub_(delta).mul_(weights)  # dS
-        del weights
-        grad_mask = grad_scores.sum_to_size(mask.shape).to(mask.dtype) if need_mask else None
-        grad_q = grad_m = grad_k = None
-        stacked = grad_scores.view(B, H * N, N)
-        if need_k:
-            grad_k = torch.bmm(stacked.transpose(1, 2), q_mixed.view(B, H * N, -1))
-        del q_mixed
-        if need_q or need_m:
-            grad_mixed = torch.bmm(stacked, k).view(B, H, N, -1)  # d logits / d Q_i, (B, Nh, N, D~k)
-            if need_q:
-                grad_q = (grad_mixed * scaled_mixing.unsqueeze(1)).sum(1)
-            if need_m:
-                grad_m = (grad_mixed * q.unsqueeze(1)).sum((0, 2)).mul_(ctx.scale)
+        compute_mask = None if mask is None else mask.to(q.dtype)
+        grad_q = torch.zeros_like(q) if need_q else None
+        grad_k = torch.zeros_like(k) if need_k else None
+        grad_v = torch.zeros_like(v) if need_v else None
+        grad_m = torch.zeros_like(mixing) if need_m else None
+        grad_mask = torch.zeros(mask.shape, dtype=q.dtype) if need_mask else None
+        for rows in batch_chunks(B, H, N, k.shape[1]):
+            b = rows.stop - rows.start
+            q_rows, k_rows, d_out = q[rows], k[rows], grad_out[rows]
+            q_mixed = q_rows.unsqueeze(1) * scaled_mixing.unsqueeze(1)
+            weights = logits(q_mixed, k_rows, mask_rows(compute_mask, rows, B)).sub_(lse[rows].unsqueeze(-1)).exp_()
+            if need_v:
+                grad_v[rows] = weights.transpose(-2, -1) @ d_out
+            delta = (d_out * out[rows]).sum(-1, keepdim=True)
+            grad_scores = (d_out @ v[rows].transpose(-2, -1)).sub_(delta).mul_(weights)  # dS
+            del weights
+            if need_mask:
+                part = mask_rows(grad_mask, rows, B)
+                part += grad_scores.sum_to_size(part.shape)
+            stacked = grad_scores.view(b, H * N, N)
+            if need_k:
+                grad_k[rows] = torch.bmm(stacked.transpose(1, 2), q_mixed.view(b, H * N, -1))
+            del q_mixed
+            if need_q or need_m:
+                grad_mixed = torch.bmm(stacked, k_rows).view(b, H, N, -1)  # d logits / d Q_i, (b, Nh, N, D~k)
+                if need_q:
+                    grad_q[rows] = (grad_mixed * scaled_mixing.unsqueeze(1)).sum(1)
+                if need_m:
+                    grad_m += (grad_mixed * q_rows.unsqueeze(1)).sum((0, 2)).mul_(ctx.scale)
+        if need_mask:
+            grad_mask = grad_mask.to(mask.dtype)
         return grad_q, grad_m, grad_k, grad_v, grad_mask, None
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.attention_core import CollaborativeCore
+from collab_vit import attention_core
+from collab_vit.attention_core import CollaborativeCore, batch_chunks
 from collab_vit.benchmark import saved_activation_bytes
 
 DIM, HEADS, TOKENS = 48, 3, 9  # head dim 16
@@ -78,15 +79,20 @@ def test_collaborative_masks_match_explicit(key_dim: int, qkv_bias: bool, mask: 
 
 
 @pytest.mark.parametrize("key_dim", [6, 16, 48])  # flash forward (padded q/k, equal dims) and explicit forward
-@pytest.mark.parametrize("mask_shape", [None, (TOKENS, TOKENS), (2, HEADS, 1, TOKENS), (1, HEADS, TOKENS, TOKENS)])
-def test_core_gradients_match_autograd(key_dim: int, mask_shape: tuple) -> None:
-    """``CollaborativeCore`` against autograd through eq. 5 written out, for masks of any broadcastable shape."""
+@pytest.mark.parametrize("mask_shape", [None, (TOKENS, TOKENS), (3, HEADS, 1, TOKENS), (1, HEADS, TOKENS, TOKENS),
+                                        (3, 1, TOKENS, TOKENS)])
+@pytest.mark.parametrize("chunk_bytes", [None, 1, 2000])  # one chunk; one sample per chunk; chunks of 2, 2 and 1
+def test_core_gradients_match_autograd(key_dim: int, mask_shape: tuple, chunk_bytes: int, monkeypatch) -> None:
+    """``CollaborativeCore`` against autograd through eq. 5 written out, for masks of any broadcastable shape and
+    however the batch is split into chunks."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(attention_core, "CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(3)
-    q, k = torch.randn(2, TOKENS, key_dim), torch.randn(2, TOKENS, key_dim)
-    mixing, v = torch.randn(HEADS, key_dim), torch.randn(2, HEADS, TOKENS, 16)
+    q, k = torch.randn(3, TOKENS, key_dim), torch.randn(3, TOKENS, key_dim)
+    mixing, v = torch.randn(HEADS, key_dim), torch.randn(3, HEADS, TOKENS, 16)
     mask = None if mask_shape is None else torch.randn(mask_shape)
     inputs = [t.requires_grad_(True) for t in (q, mixing, k, v, mask) if t is not None]
-    grad_out = torch.randn(2, HEADS, TOKENS, 16)
+    grad_out = torch.randn(3, HEADS, TOKENS, 16)
 
     def reference() -> torch.Tensor:
         logits = (q.unsqueeze(1) * mixing.unsqueeze(1)) @ k.unsqueeze(1).transpose(-2, -1) * 0.25
@@ -143,3 +149,9 @@ def test_attention_weights_are_not_stored_for_backward(key_dim: int) -> None:
         layer(torch.randn(4, TOKENS, DIM))  # (a causal mask plus the content bias is itself (B, Nh, N, N))
     assert (4, TOKENS, key_dim) in shapes  # the shared queries
     assert not [s for s in shapes if s[-2:] == (TOKENS, TOKENS) or s == (4, HEADS, TOKENS, key_dim)]
+
+
+def test_batch_chunks_cover_the_batch_once() -> None:
+    chunks = batch_chunks(16, 12, 197, 197)  # DeiT-B at batch 16: 1.86 MB of weights per sample
+    assert [(c.start, c.stop) for c in chunks] == [(i, i + 2) for i in range(0, 16, 2)]
+    assert batch_chunks(3, 3, 9, 9)[0] == slice(0, 3)  # small inputs: one chunk
