@@ -6,7 +6,6 @@ deduplicated by storage), which is what grows with the mixed queries; on CUDA th
 """
 from __future__ import annotations
 
-import ctypes
 import platform
 import statistics
 import time
@@ -63,26 +62,6 @@ class Measurement:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise and six DeiT-Bs outgrow 24 GiB)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def use_mmap_for_large_allocations(threshold: int = 1 << 20) -> None:
-    """Serve allocations above ``threshold`` bytes with mmap, so a freed activation goes back to the OS at once.
-
-    glibc otherwise raises its mmap threshold after the first frees and keeps activations (~10 MB each here) on a
-    heap that fragments across models: interleaving six DeiT-B training steps then ran out of 24 GiB.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> float:
@@ -143,7 +122,6 @@ class Runner:
 def measure_models(names: list[str], batch: int, device: torch.device, amp_dtype: Optional[torch.dtype],
                    warmup: int, repeats: int, train: bool = True,
                    progress: Callable[[Iterator], Iterator] = iter) -> dict[str, Measurement]:
-    use_mmap_for_large_allocations()
     torch.manual_seed(0)
     runners = {n: Runner(timm.create_model(n), batch, 224, device, amp_dtype) for n in names}
     results = {n: Measurement(n) for n in names}
@@ -154,7 +132,6 @@ def measure_models(names: list[str], batch: int, device: torch.device, amp_dtype
             runner.infer()
             if train:
                 runner.train_step()
-                release_freed_memory()
         if device.type == "cuda" and train:
             torch.cuda.reset_peak_memory_stats(device)
             runner.train_step()
@@ -164,7 +141,6 @@ def measure_models(names: list[str], batch: int, device: torch.device, amp_dtype
             results[name].infer_times.append(_timed(runner.infer, device))
             if train:
                 results[name].train_times.append(_timed(runner.train_step, device))
-                release_freed_memory()
         _sync(device)
     return results
 
