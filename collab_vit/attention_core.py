@@ -144,7 +144,7 @@ class CollaborativeCore(torch.autograd.Function):
         grad_k = torch.zeros_like(k) if need_k else None
         grad_v = torch.zeros_like(v) if need_v else None
         grad_m = torch.zeros_like(mixing) if need_m else None
-        grad_mask = torch.zeros(mask.shape, dtype=q.dtype) if need_mask else None
+        grad_mask = q.new_zeros(mask.shape) if need_mask else None
         for rows in batch_chunks(B, H, N, k.shape[1]):
             b = rows.stop - rows.start
             q_rows, k_rows, d_out = q[rows], k[rows], grad_out[rows]

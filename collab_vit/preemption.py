@@ -45,13 +45,6 @@ class StopRequest:
     def _on_signal(self, signum: int, frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def clear_stale_file(self) -> bool:
-        """Remove a ``STOP`` file left from an earlier invocation (rank 0); True when there was one."""
-        if self.is_main and os.path.exists(self.stop_file):
-            os.remove(self.stop_file)
-            return True
-        return False
-
     def reason(self) -> Optional[str]:
         """Why this rank wants to stop (a signal name or the stop file), or None."""
         if self.received:
@@ -72,10 +65,12 @@ class StopRequest:
             self.decided = reason or 'another rank'
         return wanted
 
-    def acknowledge(self) -> None:
-        """The checkpoint is written: remove the stop file so that the next invocation runs."""
+    def acknowledge(self) -> bool:
+        """Remove the stop file (rank 0) once it is answered, or a stale one at start; True when there was one."""
         if self.is_main and os.path.exists(self.stop_file):
             os.remove(self.stop_file)
+            return True
+        return False
 
     def restore_handlers(self) -> None:
         """Put back the signal handlers that were there before."""

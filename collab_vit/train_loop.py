@@ -125,7 +125,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
         save_config(cfg, os.path.join(cfg.output, 'config.yaml'))
     log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
                     cfg.experiment, cfg.resume)
-    if stop_request.clear_stale_file():
+    if stop_request.acknowledge():
         log.info(f'removed a stale {stop_request.stop_file} from an earlier invocation')
 
     # data
@@ -231,16 +231,16 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
         batches_done += record.pop('batches')
         stopped = record.pop('stopped')
         if stopped and batches_done < epoch_batches:
-            state = checkpoint_state(cfg, model, optimizer, scheduler, loss_scaler, model_ema, epoch - 1, num_updates,
-                                     best_top1, best_epoch, _gather_rng(dist_info, epoch_rng), model_kwargs, data_cfg,
-                                     record, batches_done)
-            state['rng_at_stop'] = _gather_rng(dist_info, rng_state())
+            rng_at_start, rng_at_stop = _gather_rng(dist_info, epoch_rng), _gather_rng(dist_info, rng_state())
             if dist_info.is_main:
-                save_checkpoint(state, os.path.join(cfg.output, 'last.pth'))
+                state = checkpoint_state(cfg, model, optimizer, scheduler, loss_scaler, model_ema, epoch - 1,
+                                         num_updates, best_top1, best_epoch, rng_at_start, model_kwargs, data_cfg,
+                                         record, batches_done)
+                save_checkpoint({**state, 'rng_at_stop': rng_at_stop}, os.path.join(cfg.output, 'last.pth'))
             barrier()
             stop_request.acknowledge()
-            log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} after batch '
-                     f'{batches_done} (step {num_updates}); continue with --resume')
+            log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} '
+                     f'after batch {batches_done} (step {num_updates}); continue with --resume')
             log.finish()
             return {'stopped_at_epoch': epoch, 'batches_done': batches_done, 'step': num_updates,
                     'output': cfg.output}
