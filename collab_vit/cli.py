@@ -41,6 +41,12 @@ def _analyze(args: argparse.Namespace) -> None:
     print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}")
 
 
+def _prepare_data(args: argparse.Namespace) -> None:
+    from .fashion_mnist import prepare_fashion_mnist
+
+    print(f"Fashion-MNIST ready in {prepare_fashion_mnist(args.root, args.source)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="collab-vit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"))
     analyze.add_argument("--threshold", type=float, default=0.95)
     analyze.set_defaults(run=_analyze)
+
+    prepare = commands.add_parser("prepare-data", help="put an offline copy of a dataset where timm's reader finds it")
+    prepare.add_argument("dataset", choices=["fashion_mnist"])
+    prepare.add_argument("--root", default="data", help="data_dir of the configs (default: data)")
+    prepare.add_argument("--source", help="folder with the four IDX files (default: Debian's dataset-fashion-mnist)")
+    prepare.set_defaults(run=_prepare_data)
     return parser
 
 
@@ -75,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
         parser.exit(2, f"collab-vit {args.command}: error: {error}\n")
     return 0
 

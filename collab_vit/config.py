@@ -29,6 +29,7 @@ class TrainConfig:
     model_kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to timm.create_model, e.g. {key_dim: 384}
     num_classes: int = 1000
     img_size: int = 224
+    in_chans: int = 3  # image channels (1 for grayscale data such as Fashion-MNIST)
     drop_path: float = 0.1
     checkpoint: str = ''  # initial weights (our checkpoint, .safetensors or a timm/DeiT .pth), for fine-tuning
     # data (dataset '' = ImageFolder; timm names such as 'wds/...', 'hfds/...', 'tfds/...' or 'sklearn/digits')
@@ -36,6 +37,9 @@ class TrainConfig:
     dataset: str = ''
     train_split: str = 'train'
     val_split: str = 'validation'
+    dataset_download: bool = False  # let torchvision / TFDS / HF readers download a missing dataset
+    mean: Tuple[float, ...] = ()  # per-channel normalisation; () = the model's default (ImageNet)
+    std: Tuple[float, ...] = ()
     num_workers: int = 8
     pin_memory: bool = True
     persistent_workers: bool = True
@@ -137,6 +141,10 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         if isinstance(default, str):
             return '' if value is None else str(value)
         if isinstance(default, tuple):
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ValueError(value)
+            if not default:  # variable length (mean, std): floats
+                return tuple(float(v) for v in value)
             return tuple(type(d)(v) for d, v in zip(default, value, strict=True))
         if isinstance(default, dict):
             if value is None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from timm.data import FastCollateMixup, Mixup, create_dataset, create_loader, resolve_data_config
@@ -41,8 +41,15 @@ def check_image_folder(root: str, split: str) -> None:
 
 
 def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_size: int = 1,
-                  seed: int = 0, repeats: int = 0) -> torch.utils.data.Dataset:
-    """One split via ``timm.data.create_dataset``; ImageFolder roots are checked first for a clear error."""
+                  seed: int = 0, repeats: int = 0, download: bool = False) -> torch.utils.data.Dataset:
+    """One split via ``timm.data.create_dataset``; ImageFolder roots are checked first for a clear error.
+
+    ``torch/fashion_mnist`` is read from ``root/FashionMNIST/raw`` (see :mod:`collab_vit.fashion_mnist` for getting
+    the files offline); ``download`` lets torchvision fetch a missing torch dataset.
+    """
+    if dataset == 'torch/fashion_mnist' and not download:
+        from .fashion_mnist import check_fashion_mnist
+        check_fashion_mnist(root)
     if dataset == 'sklearn/digits':
         from .digits import ensure_digits
         ensure_digits(root)
@@ -51,7 +58,7 @@ def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_
         check_image_folder(root, split)
     try:
         ds = create_dataset(dataset, root=root, split=split, is_training=is_training, batch_size=batch_size,
-                            seed=seed, repeats=repeats)
+                            seed=seed, repeats=repeats, download=download)
     except (FileNotFoundError, RuntimeError, AssertionError) as e:
         raise DataError(f"cannot read dataset '{dataset or 'folder'}' at {os.path.abspath(root)} "
                         f"(split '{split}'): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
@@ -64,10 +71,21 @@ def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_
     return ds
 
 
-def eval_data_config(img_size: int, crop_pct: float, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
-    """DeiT's eval pipeline: bicubic resize to img_size / crop_pct, centre crop img_size, model's mean/std."""
-    return resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': crop_pct,
-                                'interpolation': 'bicubic'}, model=model)
+def eval_data_config(img_size: int, crop_pct: float, model: Optional[torch.nn.Module] = None, in_chans: int = 3,
+                     mean: Sequence[float] = (), std: Sequence[float] = ()) -> Dict[str, Any]:
+    """DeiT's eval pipeline: bicubic resize to img_size / crop_pct, centre crop img_size; ``mean``/``std`` (one
+    value, or one per channel) or else the model's defaults, which fit 3-channel images only."""
+    args: Dict[str, Any] = {'input_size': (in_chans, img_size, img_size), 'crop_pct': crop_pct,
+                            'interpolation': 'bicubic'}
+    for key, value in (('mean', mean), ('std', std)):
+        if value:
+            if len(value) not in (1, in_chans):
+                raise DataError(f'{key} has {len(value)} values; give 1 or in_chans ({in_chans})')
+            args[key] = tuple(value)
+        elif in_chans != 3:
+            raise DataError(f'in_chans is {in_chans}: set {key} to the dataset\'s own per-channel {key} '
+                            f'(the model default is for 3-channel ImageNet images)')
+    return resolve_data_config(args, model=model)
 
 
 def build_mixup(cfg: TrainConfig, fast: bool) -> Optional[Mixup]:

@@ -43,13 +43,14 @@ def collab_name(size: str, key_dim: Optional[int] = None) -> str:
     return f"collab_deit_{size}_patch16_224" + ("" if key_dim is None else f"_k{key_dim}")
 
 
-def concat_name(size: str, key_dim: int) -> str:
-    return f"concat_deit_{size}_patch16_224_k{key_dim}"
+def concat_name(size: str, key_dim: Optional[int] = None) -> str:
+    return f"concat_deit_{size}_patch16_224" + ("" if key_dim is None else f"_k{key_dim}")
 
 
 COLLAB_MODELS: list[str] = [collab_name(s) for s in DEIT_ARCHS] + [
     collab_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid]
-CONCAT_MODELS: list[str] = [concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
+CONCAT_MODELS: list[str] = [concat_name(s) for s in DEIT_ARCHS] + [
+    concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
 
 # timm's DeiT ImageNet-1k weights, converted on load (collab_vit.pretrained); the key dim comes from the keyword.
 DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k",
@@ -125,6 +126,7 @@ def _register_all() -> None:
     for size, grid in KEY_DIM_GRID.items():
         entries = [(collab_name(size), CollaborativeAttention, None)]
         entries += [(collab_name(size, k), CollaborativeAttention, k) for k in grid]
+        entries += [(concat_name(size), ConcatAttention, None)]
         entries += [(concat_name(size, k), ConcatAttention, k) for k in grid[1:]]
         for name, attn_base, key_dim in entries:
             fn = _make_entrypoint(name, size, attn_base, key_dim)

@@ -132,19 +132,25 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     if cfg.dataset == 'sklearn/digits' and dist_info.is_main:
         build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, is_training=True)  # writes the PNGs once
     barrier()
-    train_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, True, cfg.batch_size, cfg.seed)
-    val_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, False, cfg.batch_size, cfg.seed)
+    train_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, True, cfg.batch_size, cfg.seed,
+                              download=cfg.dataset_download)
+    val_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, False, cfg.batch_size, cfg.seed,
+                            download=cfg.dataset_download)
     classes = getattr(getattr(train_set, 'reader', None), 'class_to_idx', None)
     if classes and len(classes) > cfg.num_classes:
         raise ConfigError(f'{cfg.data_dir} has {len(classes)} classes but num_classes is {cfg.num_classes}')
 
     # model, EMA, optimizer, loss
-    model = create_model(cfg.model, cfg.num_classes, cfg.img_size, cfg.drop_path, cfg.model_kwargs)
+    model_kwargs = {**cfg.model_kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes}
+    if cfg.in_chans != 3:
+        model_kwargs['in_chans'] = cfg.in_chans
+    model = create_model(cfg.model, cfg.num_classes, cfg.img_size, cfg.drop_path,
+                         {k: v for k, v in model_kwargs.items() if k not in ('img_size', 'num_classes')})
     if cfg.checkpoint and not cfg.resume:
         load_weights(model, cfg.checkpoint, allow_new_head=True)
     model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
-    data_cfg = eval_data_config(cfg.img_size, cfg.crop_pct, model)
+    data_cfg = eval_data_config(cfg.img_size, cfg.crop_pct, model, cfg.in_chans, cfg.mean, cfg.std)
     global_batch = cfg.batch_size * dist_info.world_size * cfg.accum_steps
     lr = cfg.lr * global_batch / cfg.lr_base_batch
     opt_kwargs = {} if cfg.opt.lower().endswith(('sgd', 'momentum')) else {'eps': cfg.opt_eps}
@@ -202,7 +208,6 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
         within = f', after batch {batches_done} of that epoch' if batches_done else ''
         log.info(f'resumed {cfg.output} at epoch {start_epoch}{within} (step {num_updates})')
 
-    model_kwargs = {**cfg.model_kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes}
     key_dim = key_dim_of(_unwrap(model), cfg.model, cfg.model_kwargs)
     log.info(f'{cfg.model} (key dim {key_dim}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
              f'{device.type}: {len(train_set)} train / {len(val_set)} val images, global batch {global_batch}, '

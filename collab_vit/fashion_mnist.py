@@ -1,0 +1,91 @@
+"""Fashion-MNIST offline: put the four original IDX files where torchvision's reader (timm's ``torch/fashion_mnist``)
+finds them, ``<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
+
+Fashion-MNIST (Xiao, Rasul, Vollgraf 2017, Zalando): 70,000 28x28 grayscale product photographs, 10 classes,
+60,000 train / 10,000 test. With internet, torchvision downloads it (``dataset_download: true``). Offline, Debian's
+``dataset-fashion-mnist`` package installs the IDX files gzipped under ``/usr/share/datasets/fashion-mnist``; its
+``.gz`` files are recompressed (their MD5 differs from torchvision's list, so torchvision would try to download again),
+so they are decompressed here instead. Any folder holding the four files (``.gz`` or not) works as a source.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+from typing import Optional, Sequence
+
+FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte', 't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')
+SOURCES = ('/usr/share/datasets/fashion-mnist',)  # Debian/Ubuntu: apt-get install dataset-fashion-mnist
+SIZES = {'train-images-idx3-ubyte': 47040016, 'train-labels-idx1-ubyte': 60008,
+         't10k-images-idx3-ubyte': 7840016, 't10k-labels-idx1-ubyte': 10008}  # the original files
+MAGIC = {'images': 2051, 'labels': 2049}  # IDX headers: 0x0803 (uint8, 3 dims), 0x0801 (uint8, 1 dim)
+# Per-channel statistics of the 60,000 training images (pixels / 255), measured with torchvision's reader.
+MEAN, STD = (0.2860,), (0.3530,)
+
+
+def raw_dir(root: str) -> str:
+    return os.path.join(root, 'FashionMNIST', 'raw')
+
+
+def _idx_magic(path: str) -> int:
+    with open(path, 'rb') as f:
+        return int.from_bytes(f.read(4), 'big')
+
+
+def is_complete(root: str) -> bool:
+    """All four decompressed IDX files are in ``root/FashionMNIST/raw`` (checked by their IDX headers)."""
+    folder = raw_dir(root)
+    paths = {f: os.path.join(folder, f) for f in FILES}
+    return all(os.path.isfile(p) and _idx_magic(p) == MAGIC['images' if 'images' in f else 'labels']
+               for f, p in paths.items())
+
+
+def find_source(candidates: Sequence[str] = SOURCES) -> Optional[str]:
+    """The first folder holding the four IDX files (gzipped or not), or None."""
+    for folder in candidates:
+        if all(os.path.isfile(os.path.join(folder, f)) or os.path.isfile(os.path.join(folder, f + '.gz'))
+               for f in FILES):
+            return folder
+    return None
+
+
+def prepare_fashion_mnist(root: str, source: Optional[str] = None) -> str:
+    """Decompress (or copy) the IDX files from ``source`` (default: the Debian package's folder) into
+    ``root/FashionMNIST/raw``; nothing is written when they are already there. Returns that folder.
+
+    Each file is written to a temporary name and renamed, so an interrupted run leaves no half file behind.
+    """
+    from .data import DataError
+    target = raw_dir(root)
+    if is_complete(root):
+        return target
+    folder = source or find_source()
+    if folder is None:
+        raise DataError(f'Fashion-MNIST files not found in {", ".join(SOURCES)}; install them with '
+                        f'`apt-get install dataset-fashion-mnist`, pass --source DIR (a folder with the four IDX '
+                        f'files), or let torchvision download them (dataset_download: true)')
+    os.makedirs(target, exist_ok=True)
+    for name in FILES:
+        plain, packed = os.path.join(folder, name), os.path.join(folder, name + '.gz')
+        if not (os.path.isfile(plain) or os.path.isfile(packed)):
+            raise DataError(f'{folder} lacks {name}(.gz)')
+        tmp = os.path.join(target, f'.{name}.tmp')
+        opener = (lambda: open(plain, 'rb')) if os.path.isfile(plain) else (lambda: gzip.open(packed, 'rb'))
+        with opener() as src, open(tmp, 'wb') as dst:
+            shutil.copyfileobj(src, dst)
+        if os.path.getsize(tmp) != SIZES[name]:
+            os.remove(tmp)
+            raise DataError(f'{name} from {folder} has the wrong size (not the original Fashion-MNIST file)')
+        os.replace(tmp, os.path.join(target, name))
+    return target
+
+
+def check_fashion_mnist(root: str) -> None:
+    """A one-line error that says how to get the files when ``root`` lacks them (nothing is written here)."""
+    from .data import DataError
+    if not root:
+        raise DataError('no data directory given for torch/fashion_mnist (set data_dir or pass --data-dir DIR)')
+    if not is_complete(root):
+        raise DataError(f'Fashion-MNIST is not in {os.path.abspath(raw_dir(root))}: run '
+                        f'`collab-vit prepare-data fashion_mnist --root {root}` (offline, from Debian\'s '
+                        f'dataset-fashion-mnist) or pass --dataset-download true')
