@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from collab_vit import CollaborativeAttention, attention
-from collab_vit.attention_core import CollaborativeCore, sdpa_recomputing
-from collab_vit.benchmark import saved_activation_bytes
+from collab_vit import CollaborativeAttention
+from collab_vit.layers import attention
+from collab_vit.layers.attention_core import CollaborativeCore, sdpa_recomputing
+from measure import saved_activation_bytes
 
 B, H, N, D = 16, 12, 197, 64
 

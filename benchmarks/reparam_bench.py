@@ -1,6 +1,6 @@
 """Whole-model post-hoc re-parametrisation of DeiT-B (paper section 3.3): ours vs the paper's reference procedure.
 
-One run measures, for every key dim and both methods of ``collab_vit.reparam.convert`` ("tucker", "cp"), the time to
+One run measures, for every key dim and both methods of ``collab_vit.reparametrize_layers`` ("tucker", "cp"), the time to
 swap all 12 attention layers and the errors of the result, on two sets of weights:
 
 * random: ``timm.create_model("deit_base_patch16_224")`` as initialised (no cross-head structure; time only);
@@ -34,9 +34,9 @@ import numpy as np
 import timm
 import torch
 
-from collab_vit.benchmark import replace_readme_block
-from collab_vit import decompose as dec
-from collab_vit import reparam
+from measure import replace_readme_block
+from collab_vit.conversion import decompose as dec
+from collab_vit.conversion import reparam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decompose_bench import planted_layer  # noqa: E402

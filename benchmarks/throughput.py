@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 import collab_vit  # noqa: F401  (registers the models)
-from collab_vit.benchmark import (MODEL_GROUPS, Measurement, machine_description, measure_layers, measure_models,
+from measure import (MODEL_GROUPS, Measurement, machine_description, measure_layers, measure_models,
                                   render_layer_table, render_model_table, replace_readme_block)
 
 

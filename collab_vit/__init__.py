@@ -1,11 +1,15 @@
 """collab-vit: collaborative multi-head attention (Cordonnier, Loukas, Jaggi 2020) for timm vision transformers.
 
-``import collab_vit`` registers the collaborative DeiT models with timm.
+``import collab_vit`` registers the collaborative DeiT models with timm. Layers, bottom to top (each imports only
+those below it): ``layers`` (the attention layers) <- ``weights_io`` (atomic writes, code-free loading) <-
+``conversion`` (decompositions, whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` (timm
+registrations) <- ``training`` (DeiT's recipe) <- ``cli`` / ``train.py`` / ``eval.py``.
 """
-from .attention import CollaborativeAttention, ConcatAttention, attention_class
+from .conversion import reparam
+from .conversion.reparam import reparametrize, reparametrize_layers
+from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
 from .models import COLLAB_MODELS, CONCAT_MODELS
-from .reparam import reparametrize
 
-__version__ = "0.1.0"
-__all__ = ["CollaborativeAttention", "ConcatAttention", "attention_class", "reparametrize", "COLLAB_MODELS",
-           "CONCAT_MODELS"]
+__version__ = "0.2.0"
+__all__ = ["CollaborativeAttention", "ConcatAttention", "attention_class", "reparametrize", "reparametrize_layers",
+           "reparam", "COLLAB_MODELS", "CONCAT_MODELS"]

@@ -2,12 +2,71 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
-from pathlib import Path
+import timm
+import torch
 
-from .summary import check_full_rank_conversion, format_table, model_table
+from .conversion.reparam import reparametrize
+from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
+
+
+@dataclass
+class ModelRow:
+    name: str
+    key_dim: int
+    params: int
+    qk_params: int
+
+
+def model_row(name: str) -> ModelRow:
+    """Count parameters on the meta device (no memory, no init cost)."""
+    model = timm.create_model(name, device="meta")
+    layers = [block.attn for block in model.blocks]
+    key_dim = getattr(layers[0], "key_dim", getattr(layers[0], "attn_dim", 0))
+    return ModelRow(name, key_dim, sum(p.numel() for p in model.parameters()), sum(map(query_key_params, layers)))
+
+
+def model_table() -> list[ModelRow]:
+    """timm's DeiT baselines, then every registered collaborative and concatenate model."""
+    names = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS] + COLLAB_MODELS + CONCAT_MODELS
+    return [model_row(name) for name in names]
+
+
+def format_table(rows: list[ModelRow]) -> str:
+    lines = ["| model | key dim | params (M) | attention q/k params (M) |", "|---|---:|---:|---:|"]
+    lines += [f"| `{r.name}` | {r.key_dim} | {r.params / 1e6:.2f} | {r.qk_params / 1e6:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class ConversionCheck:
+    name: str
+    max_abs_diff: float
+    max_abs_logit: float
+    seconds: float
+
+
+def check_full_rank_conversion(name: str, batch: int = 2, seed: int = 0) -> ConversionCheck:
+    """Convert a randomly initialised timm model at full rank and compare logits (exact at full rank: docs/math.md)."""
+    torch.manual_seed(seed)
+    reference = timm.create_model(name).eval()
+    with torch.no_grad():
+        for param_name, param in reference.named_parameters():
+            if param_name.endswith("qkv.bias"):
+                param.normal_(0, 0.2)  # non-zero query biases exercise the content bias
+    start = time.perf_counter()
+    converted = reparametrize(copy.deepcopy(reference))
+    seconds = time.perf_counter() - start
+    x = torch.randn(batch, *reference.default_cfg["input_size"])
+    with torch.no_grad():
+        expected, actual = reference(x), converted(x)
+    return ConversionCheck(name, (expected - actual).abs().max().item(), expected.abs().max().item(), seconds)
 
 
 def _models(args: argparse.Namespace) -> None:
@@ -25,7 +84,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from .convert import convert_to_file, format_report, parse_key_dim
+    from .conversion.files import convert_to_file, format_report, parse_key_dim
 
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, max_iter=args.max_iter, tol=args.tol)
@@ -34,7 +93,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _analyze(args: argparse.Namespace) -> None:
-    from .convert import analyze_to_files
+    from .conversion.files import analyze_to_files
 
     table, suggestion = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold)
     print(table)
@@ -42,7 +101,7 @@ def _analyze(args: argparse.Namespace) -> None:
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
-    from .fashion_mnist import prepare_fashion_mnist
+    from .training.datasets import prepare_fashion_mnist
 
     print(f"Fashion-MNIST ready in {prepare_fashion_mnist(args.root, args.source)}")
 

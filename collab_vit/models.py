@@ -12,11 +12,13 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Type, Union
 
 import torch.nn as nn
+from timm.layers import Attention
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
 
-from .attention import CollaborativeAttention, ConcatAttention, attention_class, check_key_dim, per_block_attention_class
-from .pretrained import collab_filter_fn, conversion, converted_file_kwargs
+from .layers.attention import (CollaborativeAttention, ConcatAttention, attention_class, check_key_dim,
+                               per_block_attention_class)
+from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 
 # DeiT sizes (Touvron et al. 2021), patch 16 at 224 px.
 DEIT_ARCHS: dict[str, dict[str, int]] = {
@@ -60,6 +62,21 @@ default_cfgs = generate_default_cfgs({
     **{f"{collab_name(size)}.fb_in1k": _cfg(**DEIT_WEIGHTS[size]) for size in DEIT_ARCHS},
     **{name: _cfg() for name in COLLAB_MODELS[len(DEIT_ARCHS):] + CONCAT_MODELS},
 })
+
+
+def query_key_params(layer: nn.Module) -> int:
+    """Parameters that form the attention logits: q/k projections (+ mixing and content bias when collaborative)."""
+    if isinstance(layer, CollaborativeAttention):
+        parts = [layer.query, layer.key, layer.content_bias]
+        return sum(p.numel() for part in parts if part is not None for p in part.parameters()) + layer.mixing.numel()
+    if isinstance(layer, ConcatAttention):
+        rows = 2 * layer.key_dim
+    elif isinstance(layer, Attention):
+        rows = 2 * layer.attn_dim
+    else:
+        raise TypeError(f"not an attention layer: {type(layer).__name__}")
+    bias = layer.qkv.bias is not None
+    return rows * (layer.qkv.in_features + bias)
 
 
 def create_deit(

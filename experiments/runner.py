@@ -72,7 +72,7 @@ def model_counts(config: dict[str, Any]) -> dict[str, int]:
     import timm
     sys.path.insert(0, str(ROOT))
     import collab_vit  # noqa: F401
-    from collab_vit.summary import query_key_params
+    from collab_vit.models import query_key_params
     kwargs = {**config['model_kwargs'], 'img_size': config['img_size'], 'num_classes': config['num_classes']}
     if config.get('in_chans', 3) != 3:
         kwargs['in_chans'] = config['in_chans']

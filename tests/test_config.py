@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from collab_vit.build import create_model
-from collab_vit.config import ConfigError, build_config, parse_overrides, parse_train_args, save_config
-from collab_vit.train_loop import param_groups
+from collab_vit.training.model_factory import build_model as create_model
+from collab_vit.training.config import ConfigError, build_config, parse_overrides, parse_train_args, save_config
+from collab_vit.training.trainer import param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.yaml')))

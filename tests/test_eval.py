@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from collab_vit.evaluate import main as eval_main
+from collab_vit.training.eval_cli import main as eval_main
 
 from tinyrun import ROOT, TINY_KWARGS, TINY_MODEL, make_image_folder, tiny_overrides, to_flags
 

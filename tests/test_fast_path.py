@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit import attention_core
-from collab_vit.attention_core import CollaborativeCore, batch_chunks
-from collab_vit.benchmark import saved_activation_bytes
+from collab_vit.layers import attention_core
+from collab_vit.layers.attention_core import CollaborativeCore, batch_chunks
+from measure import saved_activation_bytes
 
 DIM, HEADS, TOKENS = 48, 3, 9  # head dim 16
 

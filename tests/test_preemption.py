@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from collab_vit.checkpoint import load_checkpoint
-from collab_vit.config import build_config
-from collab_vit.preemption import STOP_FILE, SkipFirstSampler, StopRequest
-from collab_vit.train_loop import train
+from collab_vit.training.checkpoint import load_checkpoint
+from collab_vit.training.config import build_config
+from collab_vit.training.preemption import STOP_FILE, SkipFirstSampler, StopRequest
+from collab_vit.training.trainer import train
 
 from test_train import RNG_HEAVY
 from tinyrun import ROOT, tiny_data, tiny_overrides, to_flags  # noqa: F401  (tiny_data is a fixture)

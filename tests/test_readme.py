@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from collab_vit.summary import format_table, model_table
+from collab_vit.cli import format_table, model_table
 
 README = Path(__file__).parents[1] / "README.md"
 

@@ -11,8 +11,8 @@ import torch
 import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
-from collab_vit.evaluate import parse_args as evaluate_args, run as evaluate_run
-from collab_vit.reparam import convert
+from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
+from collab_vit.conversion.reparam import reparametrize_layers as convert
 from tinyrun import make_image_folder
 
 SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)

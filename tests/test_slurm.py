@@ -18,9 +18,10 @@ import timm
 import torch
 import yaml
 
-from collab_vit.checkpoint import load_checkpoint, read_weights
-from collab_vit.config import build_config
-from collab_vit.train_loop import train
+from collab_vit.training.checkpoint import load_checkpoint
+from collab_vit.weights_io import read_weights
+from collab_vit.training.config import build_config
+from collab_vit.training.trainer import train
 
 from tinyrun import ROOT, tiny_data, tiny_overrides  # noqa: F401  (tiny_data is a fixture)
 

@@ -7,10 +7,11 @@ import sys
 import pytest
 import torch
 
-from collab_vit.checkpoint import atomic_write, load_checkpoint, save_checkpoint
-from collab_vit.config import ConfigError, build_config
-from collab_vit.data import DataError, build_dataset
-from collab_vit.train_loop import train
+from collab_vit.training.checkpoint import load_checkpoint, save_checkpoint
+from collab_vit.weights_io import atomic_write
+from collab_vit.training.config import ConfigError, build_config
+from collab_vit.training.data import DataError, build_dataset
+from collab_vit.training.trainer import train
 
 from tinyrun import ROOT, tiny_data, tiny_overrides, to_flags  # noqa: F401  (tiny_data is a fixture)
 
@@ -49,8 +50,8 @@ def test_ddp_two_processes_agree(tiny_data, tmp_path):
     script = tmp_path / 'run_rank.py'
     script.write_text(
         'import json, os, sys\n'
-        'from collab_vit.config import parse_train_args\n'
-        'from collab_vit.train_loop import train\n'
+        'from collab_vit.training.config import parse_train_args\n'
+        'from collab_vit.training.trainer import train\n'
         's = train(parse_train_args(sys.argv[2:]))\n'
         'open(os.path.join(sys.argv[1], "rank%s.json" % os.environ["RANK"]), "w").write(json.dumps(s))\n')
     flags = to_flags(tiny_overrides(tiny_data, str(out), epochs=2, mixup=0.8, cutmix=1.0, repeated_aug=3,
@@ -128,7 +129,7 @@ def test_randaugment_posterize_zero_bits():
     from PIL import Image
     from timm.data.auto_augment import rand_augment_transform
 
-    import collab_vit.data  # noqa: F401  (applies the patch)
+    import collab_vit.training.data  # noqa: F401  (applies the patch)
     op = rand_augment_transform('rand-n1-m10-inc1', {}).ops
     post = next(o for o in op if o.name == 'PosterizeIncreasing')
     post.prob, post.magnitude_std = 1.0, 0.0

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from timm.layers import Attention
 from timm.models.vision_transformer import checkpoint_filter_fn
 
-from .attention import CollaborativeAttention
-from .checkpoint import atomic_write
+from ..layers.attention import CollaborativeAttention
+from ..weights_io import atomic_write
 from .reparam import METHODS, collaborative_layer
 
 _conversion_method: ContextVar[str] = ContextVar("collab_vit_conversion_method", default="tucker")

@@ -1,5 +1,9 @@
-"""Fashion-MNIST offline: put the four original IDX files where torchvision's reader (timm's ``torch/fashion_mnist``)
-finds them, ``<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
+"""The data sets this package prepares itself: the quickstart digits and an offline Fashion-MNIST.
+
+* ``sklearn/digits`` (quickstart): scikit-learn's ``load_digits`` (8x8 scans, 10 classes) written as a PNG
+  ImageFolder.
+* ``torch/fashion_mnist``: the four original IDX files put where torchvision's reader (timm's
+  ``torch/fashion_mnist``) finds them, ``<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
 
 Fashion-MNIST (Xiao, Rasul, Vollgraf 2017, Zalando): 70,000 28x28 grayscale product photographs, 10 classes,
 60,000 train / 10,000 test. With internet, torchvision downloads it (``dataset_download: true``). Offline, Debian's
@@ -13,6 +17,32 @@ import gzip
 import os
 import shutil
 from typing import Optional, Sequence
+
+import numpy as np
+from PIL import Image
+
+from .errors import DataError
+
+DIGITS_SIZE = 32  # pixels per side of the written images (upsampled from 8x8)
+VAL_EVERY = 5  # every 5th sample (in load_digits order) goes to val/: a fixed, deterministic 80/20 split
+
+
+def ensure_digits(root: str, size: int = DIGITS_SIZE) -> str:
+    """Write ``root/{train,val}/<digit>/<index>.png`` unless already complete; returns ``root``."""
+    marker = os.path.join(root, '.complete')
+    if os.path.isfile(marker):
+        return root
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images, digits.target)):
+        split = 'val' if i % VAL_EVERY == 0 else 'train'
+        folder = os.path.join(root, split, str(int(label)))
+        os.makedirs(folder, exist_ok=True)
+        pixels = np.clip(image * (255.0 / 16.0), 0, 255).astype(np.uint8)  # digits are 0..16 grey levels
+        Image.fromarray(pixels, mode='L').resize((size, size), Image.BICUBIC).save(os.path.join(folder, f'{i:04d}.png'))
+    with open(marker, 'w') as f:
+        f.write(f'{len(digits.target)} images, {size}px, every {VAL_EVERY}th to val\n')
+    return root
 
 FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte', 't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')
 SOURCES = ('/usr/share/datasets/fashion-mnist',)  # Debian/Ubuntu: apt-get install dataset-fashion-mnist
@@ -55,7 +85,6 @@ def prepare_fashion_mnist(root: str, source: Optional[str] = None) -> str:
 
     Each file is written to a temporary name and renamed, so an interrupted run leaves no half file behind.
     """
-    from .data import DataError
     target = raw_dir(root)
     if is_complete(root):
         return target
@@ -82,7 +111,6 @@ def prepare_fashion_mnist(root: str, source: Optional[str] = None) -> str:
 
 def check_fashion_mnist(root: str) -> None:
     """A one-line error that says how to get the files when ``root`` lacks them (nothing is written here)."""
-    from .data import DataError
     if not root:
         raise DataError('no data directory given for torch/fashion_mnist (set data_dir or pass --data-dir DIR)')
     if not is_complete(root):

@@ -7,14 +7,13 @@ from typing import Any, Dict, Optional
 import timm
 import torch
 
-from . import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
-
-from .checkpoint import read_weights
+from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
+from ..weights_io import read_weights
 
 _logger = logging.getLogger(__name__)
 
 
-def create_model(name: str, num_classes: int, img_size: Optional[int] = None, drop_path: float = 0.0,
+def build_model(name: str, num_classes: int, img_size: Optional[int] = None, drop_path: float = 0.0,
                  model_kwargs: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
     """``timm.create_model`` with our models registered; ``img_size=None`` keeps the model's default."""
     kwargs = dict(model_kwargs or {})

@@ -9,9 +9,9 @@ from typing import Optional, Union
 import timm
 import torch.nn as nn
 
-from .analysis import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
-from .checkpoint import atomic_write, export_safetensors
-from .reparam import LayerReport, convert
+from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
+from ..weights_io import atomic_write, export_safetensors
+from .reparam import LayerReport, reparametrize_layers
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
 
@@ -59,7 +59,7 @@ def convert_to_file(model_name: str, key_dim: Union[None, int, float, list[int]]
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
     model = load_source(model_name, checkpoint)
-    reports = convert(model, key_dim, method, seed, **options)
+    reports = reparametrize_layers(model, key_dim, method, seed, **options)
     model_kwargs = {"key_dim": [r.key_dim for r in reports]}
     if model.num_classes != 1000:
         model_kwargs["num_classes"] = model.num_classes

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention
 
-from .attention import CollaborativeAttention, ConcatAttention
+from collab_vit import CollaborativeAttention, ConcatAttention
 
 BASELINE = "deit_base_patch16_224"
 MODELS = [BASELINE, "collab_deit_base_patch16_224_k768", "collab_deit_base_patch16_224_k384",

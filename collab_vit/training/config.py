@@ -15,9 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config file or flag is invalid; the message is one line meant for the user."""
+from .errors import ConfigError
 
 
 @dataclass

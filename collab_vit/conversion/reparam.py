@@ -17,7 +17,7 @@ import torch.nn as nn
 from timm.layers import Attention
 from tqdm import tqdm
 
-from .attention import CollaborativeAttention, check_key_dim
+from ..layers.attention import CollaborativeAttention, check_key_dim
 from .decompose import Decomposition, cp_decompose, energy_spectrum, rank_for_energy, split_qkv_heads, \
     tucker_decompose
 
@@ -148,7 +148,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def convert(
+def reparametrize_layers(
         model: nn.Module,
         key_dim: KeyDimSpec = None,
         method: str = "tucker",
@@ -195,7 +195,10 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
     """Replace every timm ``Attention`` in ``model`` (in place) by a ``CollaborativeAttention``; return ``model``.
 
     Exact with ``key_dim=None`` or ``key_dim >= heads x head_dim``; otherwise a rank-``key_dim`` ``method``
-    decomposition (see ``convert`` for the options and for the per-layer report).
+    decomposition (see ``reparametrize_layers`` for the options and for the per-layer report).
     """
-    convert(model, key_dim, method, seed, **options)
+    reparametrize_layers(model, key_dim, method, seed, **options)
     return model
+
+
+convert = reparametrize_layers  # the name before 0.2

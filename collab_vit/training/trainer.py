@@ -16,13 +16,15 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, NativeScaler, random_seed
 from torch.nn.parallel import DistributedDataParallel
 
-from .build import create_model, load_weights
-from .checkpoint import export_safetensors, load_checkpoint, prepare_run_dir, rng_state, save_checkpoint, set_rng_state
-from .config import ConfigError, TrainConfig, save_config
-from .data import (DataError, build_dataset, build_eval_loader, build_mixup, build_train_loader, eval_data_config,
+from ..weights_io import export_safetensors
+from .checkpoint import load_checkpoint, prepare_run_dir, rng_state, save_checkpoint, set_rng_state
+from .config import TrainConfig, save_config
+from .data import (build_dataset, build_eval_loader, build_mixup, build_train_loader, eval_data_config,
                    shard_size)
 from .distributed import DistInfo, barrier, broadcast_object, cleanup_distributed, init_distributed
-from .engine import autocast_context, evaluate, train_one_epoch
+from .errors import ConfigError, DataError
+from .loops import autocast_context, evaluate, train_one_epoch
+from .model_factory import build_model, load_weights
 from .logger import RunLogger
 from .preemption import StopRequest, make_skippable
 
@@ -71,7 +73,7 @@ def _gather_rng(dist_info: DistInfo, state: Dict[str, Any]) -> list:
 def checkpoint_state(cfg: TrainConfig, model, optimizer, scheduler, loss_scaler, model_ema, epoch: int,
                      num_updates: int, best_top1: float, best_epoch: int, rng_all: list, model_kwargs: Dict[str, Any],
                      data_cfg: Dict[str, Any], metrics: Dict[str, Any], batches_done: int = 0) -> Dict[str, Any]:
-    """The training checkpoint (keys documented in :mod:`collab_vit.checkpoint`); ``epoch`` is the last finished one
+    """The training checkpoint (keys documented in :mod:`collab_vit.training.checkpoint`); ``epoch`` is the last finished one
     and ``batches_done`` the batches already trained of the next (0 at an epoch boundary)."""
     return {
         'model': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
@@ -144,7 +146,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     model_kwargs = {**cfg.model_kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes}
     if cfg.in_chans != 3:
         model_kwargs['in_chans'] = cfg.in_chans
-    model = create_model(cfg.model, cfg.num_classes, cfg.img_size, cfg.drop_path,
+    model = build_model(cfg.model, cfg.num_classes, cfg.img_size, cfg.drop_path,
                          {k: v for k, v in model_kwargs.items() if k not in ('img_size', 'num_classes')})
     if cfg.checkpoint and not cfg.resume:
         load_weights(model, cfg.checkpoint, allow_new_head=True)
@@ -316,7 +318,6 @@ def main(argv: Optional[list] = None) -> int:
     """Console entry: ``train.py -c CONFIG [--key value ...]``; config and data errors are one line, exit 2."""
     import sys
     from .config import parse_train_args
-    from .data import DataError
     try:
         cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
         train(cfg)

@@ -1,4 +1,4 @@
-"""One training epoch and one evaluation pass (the two loops; everything else is assembled in ``train_loop``)."""
+"""One training epoch and one evaluation pass (the two loops; everything else is assembled in ``trainer``)."""
 from __future__ import annotations
 
 import contextlib

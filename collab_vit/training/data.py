@@ -10,14 +10,11 @@ from timm.data import FastCollateMixup, Mixup, create_dataset, create_loader, re
 from .compat import patch_timm_posterize
 from .config import TrainConfig
 from .distributed import DistInfo
+from .errors import DataError
 
 patch_timm_posterize()
 
 IMG_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.bmp', '.ppm', '.pgm', '.tif', '.tiff', '.webp')
-
-
-class DataError(RuntimeError):
-    """The data directory is missing, empty or unreadable; the message names the path."""
 
 
 def _is_folder_dataset(dataset: str) -> bool:
@@ -44,14 +41,14 @@ def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_
                   seed: int = 0, repeats: int = 0, download: bool = False) -> torch.utils.data.Dataset:
     """One split via ``timm.data.create_dataset``; ImageFolder roots are checked first for a clear error.
 
-    ``torch/fashion_mnist`` is read from ``root/FashionMNIST/raw`` (see :mod:`collab_vit.fashion_mnist` for getting
+    ``torch/fashion_mnist`` is read from ``root/FashionMNIST/raw`` (see :mod:`collab_vit.training.datasets` for getting
     the files offline); ``download`` lets torchvision fetch a missing torch dataset.
     """
     if dataset == 'torch/fashion_mnist' and not download:
-        from .fashion_mnist import check_fashion_mnist
+        from .datasets import check_fashion_mnist
         check_fashion_mnist(root)
     if dataset == 'sklearn/digits':
-        from .digits import ensure_digits
+        from .datasets import ensure_digits
         ensure_digits(root)
         dataset = ''
     if _is_folder_dataset(dataset):

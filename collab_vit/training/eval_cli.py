@@ -13,12 +13,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .build import create_model
-from .checkpoint import read_weights
-from .config import ConfigError, parse_key_value_pairs
-from .data import DataError, build_dataset, build_eval_loader, eval_data_config, shard_size
+from ..weights_io import read_weights
+from .config import parse_key_value_pairs
+from .data import build_dataset, build_eval_loader, eval_data_config, shard_size
 from .distributed import cleanup_distributed, init_distributed
-from .engine import autocast_context, evaluate
+from .errors import ConfigError, DataError
+from .loops import autocast_context, evaluate
+from .model_factory import build_model
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 1000
         img_size = args.img_size or kwargs.pop('img_size', None)
         kwargs.pop('img_size', None)
-        model = create_model(name, num_classes, img_size, 0.0, kwargs)
+        model = build_model(name, num_classes, img_size, 0.0, kwargs)
         if state:
             model.load_state_dict(state, strict=True)
         model.to(dist_info.device)
