@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import timm
 import torch
 
-from .conversion.reparam import reparametrize
+from .conversion.reparam import METHODS, reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
 
 
@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--model", required=True, help="timm DeiT name, e.g. deit_base_patch16_224")
     convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
     convert.add_argument("--key-dim", required=True, help="int, energy threshold (0.95) or comma list per layer")
-    convert.add_argument("--method", choices=["tucker", "cp"], default="tucker")
+    convert.add_argument("--method", choices=list(METHODS), default="tucker",
+                         help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense)")
     convert.add_argument("--out", type=Path, required=True, help="output .safetensors (+ .json sidecar)")
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--max-iter", type=int, default=100)

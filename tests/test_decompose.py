@@ -242,3 +242,27 @@ def test_energy_spectrum_and_rank():
     r = dec.rank_for_energy(eq, 0.9)
     assert eq[r - 1] >= 0.9 and (r == 1 or eq[r - 2] < 0.9)
     assert dec.rank_for_energy(torch.tensor([0.5, 0.8, 1.0]), 0.8) == 2
+
+
+def test_parafac_is_tensorly_parafac_on_the_dense_tensor():
+    """method="parafac" is the paper's procedure: tensorly's parafac on the dense tensor, random init, seeded."""
+    wq, wk = structured()
+    rank = 10
+    tl.set_backend("numpy")
+    res = dec.parafac_decompose(wq, wk, rank, seed=3, max_iter=50, tol=1e-8)
+    assert tl.get_backend() == "numpy"  # the caller's backend is restored
+    tl.set_backend("pytorch")
+    weights, (m, q, k) = parafac(dec.dense_tensor(wq, wk), rank, init="random", tol=1e-8, n_iter_max=50,
+                                 random_state=3)
+    torch.testing.assert_close(reconstruct(res), tl.cp_to_tensor((weights, [m, q, k])), rtol=0, atol=1e-12)
+    t = dec.dense_tensor(wq, wk)
+    assert res.relative_error == pytest.approx(float((t - reconstruct(res)).norm() / t.norm()), rel=1e-9)
+    assert 0 < res.iterations <= 50
+
+
+def test_parafac_exact_at_full_rank_and_no_better_than_ours():
+    wq, wk = structured()
+    assert dec.parafac_decompose(wq, wk, NH * DH).relative_error < 1e-12
+    ours = dec.tucker_decompose(wq, wk, 6).relative_error
+    ref = dec.parafac_decompose(wq, wk, 6).relative_error
+    assert ours <= ref + 1e-3, (ours, ref)

@@ -37,7 +37,7 @@ def logits(model: torch.nn.Module, seed: int = 1) -> torch.Tensor:
         return model.eval()(x)
 
 
-@pytest.mark.parametrize("method", ["tucker", "cp"])
+@pytest.mark.parametrize("method", ["tucker", "cp", "parafac"])
 @pytest.mark.parametrize("key_dim", [48, 60])
 def test_exact_at_full_rank(method: str, key_dim: int) -> None:
     reference = small_deit()
@@ -46,7 +46,7 @@ def test_exact_at_full_rank(method: str, key_dim: int) -> None:
     assert all(r.tensor_error == 0 and r.output_error < 1e-5 for r in reports)
 
 
-@pytest.mark.parametrize("method", ["tucker", "cp"])
+@pytest.mark.parametrize("method", ["tucker", "cp", "parafac"])
 def test_compression_error_decreases_with_key_dim(method: str) -> None:
     errors = []
     for key_dim in (8, 16, 32):

@@ -77,6 +77,7 @@ __all__ = [
     "exact_decomposition",
     "cp_decompose",
     "tucker_decompose",
+    "parafac_decompose",
     "relative_error",
     "energy_spectrum",
     "rank_for_energy",
@@ -622,6 +623,48 @@ def tucker_decompose(
     fits = [_mixed_als(a, b, q, k, refine, tol, normsq) for q, k in starts]
     query, key, mixing, it_full, _ = min(fits, key=lambda fit: fit[4])
     return _result(wq, wk, query, key, mixing, it + it_full, wq.dtype)
+
+
+@torch.no_grad()
+def parafac_decompose(
+    wq: Tensor,
+    wk: Tensor,
+    rank: int,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-6,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> Decomposition:
+    """The paper's own procedure (section 3.3), the reference for ``cp_decompose`` and ``tucker_decompose``.
+
+    Forms the dense tensor ``T[i] = wq[i] wk[i]^T`` (Nh x D x D) and runs tensorly's ``parafac(T, rank,
+    init="random", tol=tol, n_iter_max=max_iter, random_state=seed)`` (CP-ALS from a random start) with the pytorch
+    backend in ``dtype``. The CP weights tensorly returns are folded into the mixing matrix (the paper's code drops
+    them; they are 1 unless tensorly normalises). Memory and time grow with ``Nh * D^2 * rank``: for one DeiT-B
+    layer at rank 384 about 100x slower than ``tucker_decompose`` (``benchmarks/reparam.md``).
+    """
+    import tensorly as tl
+    from tensorly.decomposition import parafac
+
+    _check_factors(wq, wk)
+    _check_rank(rank)
+    _check_als_args(max_iter, tol, dtype)
+    nh, _, dh = wq.shape
+    if rank >= nh * dh:
+        return exact_decomposition(wq, wk, rank)
+    previous = tl.get_backend()
+    tl.set_backend("pytorch")
+    try:
+        dense = dense_tensor(wq.to(dtype), wk.to(dtype))
+        (weights, (mixing, query, key)), errors = parafac(
+            dense, rank, init="random", tol=tol, n_iter_max=max_iter, random_state=seed, return_errors=True)
+    finally:
+        tl.set_backend(previous)
+    mixing = mixing * weights
+    out = wq.dtype
+    query, key, mixing = query.to(out), key.to(out), mixing.to(out)
+    return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), len(errors))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,10 +18,12 @@ from timm.layers import Attention
 from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention, check_key_dim
-from .decompose import Decomposition, cp_decompose, energy_spectrum, rank_for_energy, split_qkv_heads, \
-    tucker_decompose
+from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
+                        split_qkv_heads, tucker_decompose)
 
-METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose}
+# "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
+METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
+                                                    "parafac": parafac_decompose}
 KeyDimSpec = Union[None, int, float, Sequence[int]]
 
 
@@ -163,7 +165,8 @@ def reparametrize_layers(
 
     Args:
         key_dim: int for every layer, a list (one per layer), an energy threshold in (0, 1], or None (exact).
-        method: ``"tucker"`` (compress, then CP of the core) or ``"cp"`` (ALS on the full factored tensor).
+        method: ``"tucker"`` (compress, then CP of the core), ``"cp"`` (ALS on the full factored tensor) or
+            ``"parafac"`` (the paper's procedure: tensorly's CP-ALS on the dense tensor, random start).
         seed, max_iter, tol, dtype: passed to the decomposition (deterministic given the seed).
         probe: images for the attention-output error (default: 2 random images at the model's input size).
     """
