@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     convert = commands.add_parser("convert", help="re-parametrise a pretrained DeiT into a collaborative model")
-    convert.add_argument("--model", required=True, help="timm DeiT name, e.g. deit_base_patch16_224")
+    convert.add_argument("--model", help="timm DeiT name, e.g. deit_base_patch16_224 (default: read from the checkpoint)")
     convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
     convert.add_argument("--key-dim", required=True, help="int, energy threshold (0.95) or comma list per layer")
     convert.add_argument("--method", choices=list(METHODS), default="tucker",
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")
-    analyze.add_argument("--model", required=True, help="timm model name (its architecture)")
+    analyze.add_argument("--model", help="timm model name (default: read from the checkpoint)")
     analyze.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
     analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"))
     analyze.add_argument("--threshold", type=float, default=0.95)

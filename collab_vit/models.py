@@ -1,24 +1,32 @@
 """timm registrations: collaborative DeiTs (paper section 4, vision) and the reduced-key-dim concatenate baselines.
 
-``import collab_vit`` registers every model here with timm:
+``import collab_vit`` registers every model here with timm, one ``@register_model`` function per variant as in
+timm's ``deit.py``:
 
-* ``collab_deit_{tiny,small,base}_patch16_224`` -- keyword ``key_dim`` (default: the embed dim) and ``mixing_init``;
+* ``collab_deit_{tiny,small,base}_patch16_224`` -- keywords ``key_dim`` (default: the embed dim; an int, or one per
+  block) and ``mixing_init`` (``"concatenate"`` or ``"random"``);
 * ``collab_deit_{size}_patch16_224_k{N}`` -- the paper's grid, key dim fixed by the name;
-* ``concat_deit_{size}_patch16_224_k{N}`` -- standard attention with each head's key/query dim cut to N / heads.
+* ``concat_deit_{size}_patch16_224`` (keyword ``key_dim``) and ``concat_deit_{size}_patch16_224_k{N}`` -- standard
+  attention with each head's key/query dim cut to ``key_dim / heads``.
+
+All are :class:`CollabVisionTransformer` (timm's ``VisionTransformer`` whose ``no_weight_decay()`` also names the
+mixing matrices, so that timm's ``create_optimizer_v2`` -- with or without ``layer_decay`` -- keeps them out of
+weight decay). With ``pretrained=True`` the ``.fb_in1k`` tags load timm's DeiT weights and convert them on load
+(``conversion_method``); a file written by this package (``pretrained_cfg_overlay=dict(file=...)``) supplies the
+architecture it records (key dims, sizes, classes, channels) unless the call overrides it.
 """
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable, Optional, Sequence, Type, Union
+from typing import Any, Optional, Sequence, Type, Union
 
 import torch.nn as nn
-from timm.layers import Attention
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import Attention
 from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
 
+from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 from .layers.attention import (CollaborativeAttention, ConcatAttention, attention_class, check_key_dim,
                                per_block_attention_class)
-from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 
 # DeiT sizes (Touvron et al. 2021), patch 16 at 224 px.
 DEIT_ARCHS: dict[str, dict[str, int]] = {
@@ -28,13 +36,22 @@ DEIT_ARCHS: dict[str, dict[str, int]] = {
 }
 # The paper's key-dim grid: full, 1/2 and 1/4 of the embed dim (collaborative); the reduced ones for the baseline.
 KEY_DIM_GRID: dict[str, tuple[int, ...]] = {"tiny": (192, 96, 48), "small": (384, 192, 96), "base": (768, 384, 192)}
+EVAL_CROP_PCT = 0.875  # DeiT's evaluation (resize 256, centre crop 224): the trainer's and eval.py's default too
+
+
+class CollabVisionTransformer(VisionTransformer):
+    """timm's ``VisionTransformer`` whose ``no_weight_decay()`` adds every attention layer's mixing matrix."""
+
+    def no_weight_decay(self) -> set[str]:
+        mixing = {name for name, _ in self.named_parameters() if name.endswith(".mixing")}
+        return set(super().no_weight_decay()) | mixing
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
-    """Default cfg as timm's DeiT (input 224, bicubic, crop 0.9, ImageNet mean/std)."""
+    """Default cfg as timm's DeiT (input 224, bicubic, ImageNet mean/std), evaluated at DeiT's crop 0.875."""
     return {
         "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
-        "crop_pct": .9, "interpolation": "bicubic", "fixed_input_size": True,
+        "crop_pct": EVAL_CROP_PCT, "interpolation": "bicubic", "fixed_input_size": True,
         "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
         "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0",
         **kwargs,
@@ -54,7 +71,7 @@ COLLAB_MODELS: list[str] = [collab_name(s) for s in DEIT_ARCHS] + [
 CONCAT_MODELS: list[str] = [concat_name(s) for s in DEIT_ARCHS] + [
     concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
 
-# timm's DeiT ImageNet-1k weights, converted on load (collab_vit.pretrained); the key dim comes from the keyword.
+# timm's DeiT ImageNet-1k weights, converted on load (collab_vit.conversion.pretrained); key dim from the keyword.
 DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k",
                            url=f"https://dl.fbaipublicfiles.com/deit/deit_{size}_patch16_224-{sha}.pth")
                 for size, sha in (("tiny", "a1311bcf"), ("small", "cd65a155"), ("base", "b5f2ef4d"))}
@@ -79,34 +96,53 @@ def query_key_params(layer: nn.Module) -> int:
     return rows * (layer.qkv.in_features + bias)
 
 
-def create_deit(
+def _file_architecture(kwargs: dict[str, Any]) -> None:
+    """With ``pretrained_cfg_overlay=dict(file=F)`` of a file this package wrote, default the keyword arguments to
+    the architecture it records, and tell timm the file's classes and channels (so it keeps the head as saved)."""
+    overlay = dict(kwargs.get("pretrained_cfg_overlay") or {})
+    recorded = converted_file_kwargs(overlay.get("file"))
+    if not recorded:
+        return
+    for key, value in recorded.items():
+        kwargs.setdefault(key, value)
+    overlay.setdefault("num_classes", recorded.get("num_classes", 1000))
+    size = recorded.get("img_size", 224)
+    overlay.setdefault("input_size", (recorded.get("in_chans", 3), size, size))
+    kwargs["pretrained_cfg_overlay"] = overlay
+
+
+def _create(
         variant: str,
         attn_base: Type[nn.Module],
-        key_dim: Union[None, int, Sequence[int]],
         pretrained: bool = False,
-        mixing_init: Optional[str] = None,
-        conversion_method: str = "tucker",
+        fixed_key_dim: Optional[int] = None,
         **kwargs: Any,
-) -> VisionTransformer:
-    """Build a DeiT-style ``VisionTransformer`` whose blocks use ``attn_base`` with ``key_dim`` (one, or per block).
+) -> CollabVisionTransformer:
+    """Build a DeiT-style ViT whose blocks use ``attn_base`` with ``key_dim`` (one, or one per block).
 
-    With ``pretrained``, standard-attention weights (timm's DeiT) are converted on load with ``conversion_method``.
+    ``kwargs`` are timm's ``VisionTransformer`` arguments plus ``key_dim``, ``mixing_init`` (collaborative only) and
+    ``conversion_method`` (how ``pretrained`` standard-attention weights are converted).
     """
-    embed_dim = kwargs.get("embed_dim", 768)
+    if pretrained:
+        _file_architecture(kwargs)
+    key_dim: Union[None, int, Sequence[int]] = kwargs.pop("key_dim", fixed_key_dim)
+    if fixed_key_dim is not None and key_dim != fixed_key_dim:
+        raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {variant.rsplit('_k', 1)[0]} for "
+                         f"key_dim={key_dim}")
+    method = kwargs.pop("conversion_method", "tucker")
+    mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
     if isinstance(key_dim, (list, tuple)):
-        key_dims = tuple(check_key_dim(k) for k in key_dim)
-        attn_layer = per_block_attention_class(attn_base, key_dims, mixing_init)
+        attn_layer = per_block_attention_class(attn_base, tuple(check_key_dim(k) for k in key_dim), mixing_init)
     else:
-        attn_layer = attention_class(attn_base, embed_dim if key_dim is None else check_key_dim(key_dim), mixing_init)
+        full = kwargs.get("embed_dim", 768)
+        attn_layer = attention_class(attn_base, full if key_dim is None else check_key_dim(key_dim), mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
-    with conversion(conversion_method):
+    with conversion(method):
         model = build_model_with_cfg(
-            VisionTransformer,
-            variant,
-            pretrained,
+            CollabVisionTransformer, variant, pretrained,
             pretrained_filter_fn=collab_filter_fn,
             feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
-            attn_layer=attn_layer,
+            attn_layer=attn_layer, qkv_bias=kwargs.pop("qkv_bias", True),
             **kwargs,
         )
     if isinstance(key_dim, (list, tuple)) and attn_layer.remaining():
@@ -114,41 +150,135 @@ def create_deit(
     return model
 
 
-def _make_entrypoint(name: str, size: str, attn_base: Type[nn.Module], fixed_key_dim: Optional[int]) -> Callable:
-    """One timm entry point (``fn(pretrained=False, **kwargs)``) for a named variant."""
-
-    def entrypoint(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-        if fixed_key_dim is not None and kwargs.get("key_dim", fixed_key_dim) != fixed_key_dim:
-            raise ValueError(f"{name} fixes key_dim={fixed_key_dim}; use {collab_name(size)} for key_dim="
-                             f"{kwargs['key_dim']}")
-        if pretrained and "key_dim" not in kwargs:  # a converted file records its key dims
-            overlay = kwargs.get("pretrained_cfg_overlay") or {}
-            kwargs.update({k: v for k, v in converted_file_kwargs(overlay.get("file")).items() if k == "key_dim"})
-        key_dim = kwargs.pop("key_dim", fixed_key_dim)
-        method = kwargs.pop("conversion_method", "tucker")
-        mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
-        model_args = dict(DEIT_ARCHS[size], qkv_bias=True)
-        return create_deit(name, attn_base, key_dim, pretrained, mixing_init, method, **dict(model_args, **kwargs))
-
-    entrypoint.__name__ = entrypoint.__qualname__ = name
-    entrypoint.__module__ = __name__
-    kind = "Collaborative" if attn_base is CollaborativeAttention else "Reduced-key-dim concatenate"
-    dims = "key_dim keyword, default embed dim" if fixed_key_dim is None else f"key_dim={fixed_key_dim}"
-    entrypoint.__doc__ = f"{kind} DeiT-{size} patch16 224 ({dims})."
-    return entrypoint
+def _collab(variant: str, size: str, pretrained: bool, key_dim: Optional[int], kwargs: dict) -> CollabVisionTransformer:
+    return _create(variant, CollaborativeAttention, pretrained, key_dim, **dict(DEIT_ARCHS[size], **kwargs))
 
 
-def _register_all() -> None:
-    module = sys.modules[__name__]
-    for size, grid in KEY_DIM_GRID.items():
-        entries = [(collab_name(size), CollaborativeAttention, None)]
-        entries += [(collab_name(size, k), CollaborativeAttention, k) for k in grid]
-        entries += [(concat_name(size), ConcatAttention, None)]
-        entries += [(concat_name(size, k), ConcatAttention, k) for k in grid[1:]]
-        for name, attn_base, key_dim in entries:
-            fn = _make_entrypoint(name, size, attn_base, key_dim)
-            setattr(module, name, fn)
-            register_model(fn)
+def _concat(variant: str, size: str, pretrained: bool, key_dim: Optional[int], kwargs: dict) -> CollabVisionTransformer:
+    return _create(variant, ConcatAttention, pretrained, key_dim, **dict(DEIT_ARCHS[size], **kwargs))
 
 
-_register_all()
+@register_model
+def collab_deit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-Ti/16 (embed 192, 3 heads); ``key_dim`` keyword, default 192."""
+    return _collab("collab_deit_tiny_patch16_224", "tiny", pretrained, None, kwargs)
+
+
+@register_model
+def collab_deit_small_patch16_224(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-S/16 (embed 384, 6 heads); ``key_dim`` keyword, default 384."""
+    return _collab("collab_deit_small_patch16_224", "small", pretrained, None, kwargs)
+
+
+@register_model
+def collab_deit_base_patch16_224(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-B/16 (embed 768, 12 heads); ``key_dim`` keyword, default 768."""
+    return _collab("collab_deit_base_patch16_224", "base", pretrained, None, kwargs)
+
+
+@register_model
+def collab_deit_tiny_patch16_224_k192(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-Ti/16, shared key/query dim 192."""
+    return _collab("collab_deit_tiny_patch16_224_k192", "tiny", pretrained, 192, kwargs)
+
+
+@register_model
+def collab_deit_tiny_patch16_224_k96(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-Ti/16, shared key/query dim 96."""
+    return _collab("collab_deit_tiny_patch16_224_k96", "tiny", pretrained, 96, kwargs)
+
+
+@register_model
+def collab_deit_tiny_patch16_224_k48(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-Ti/16, shared key/query dim 48."""
+    return _collab("collab_deit_tiny_patch16_224_k48", "tiny", pretrained, 48, kwargs)
+
+
+@register_model
+def collab_deit_small_patch16_224_k384(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-S/16, shared key/query dim 384."""
+    return _collab("collab_deit_small_patch16_224_k384", "small", pretrained, 384, kwargs)
+
+
+@register_model
+def collab_deit_small_patch16_224_k192(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-S/16, shared key/query dim 192."""
+    return _collab("collab_deit_small_patch16_224_k192", "small", pretrained, 192, kwargs)
+
+
+@register_model
+def collab_deit_small_patch16_224_k96(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-S/16, shared key/query dim 96."""
+    return _collab("collab_deit_small_patch16_224_k96", "small", pretrained, 96, kwargs)
+
+
+@register_model
+def collab_deit_base_patch16_224_k768(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-B/16, shared key/query dim 768 (the paper's Table 2)."""
+    return _collab("collab_deit_base_patch16_224_k768", "base", pretrained, 768, kwargs)
+
+
+@register_model
+def collab_deit_base_patch16_224_k384(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-B/16, shared key/query dim 384 (the paper's Table 2)."""
+    return _collab("collab_deit_base_patch16_224_k384", "base", pretrained, 384, kwargs)
+
+
+@register_model
+def collab_deit_base_patch16_224_k192(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Collaborative DeiT-B/16, shared key/query dim 192 (the paper's Table 2)."""
+    return _collab("collab_deit_base_patch16_224_k192", "base", pretrained, 192, kwargs)
+
+
+@register_model
+def concat_deit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-Ti/16 with standard attention cut to ``key_dim`` in all (``key_dim / 3`` per head); default 192."""
+    return _concat("concat_deit_tiny_patch16_224", "tiny", pretrained, None, kwargs)
+
+
+@register_model
+def concat_deit_small_patch16_224(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-S/16 with standard attention cut to ``key_dim`` in all (``key_dim / 6`` per head); default 384."""
+    return _concat("concat_deit_small_patch16_224", "small", pretrained, None, kwargs)
+
+
+@register_model
+def concat_deit_base_patch16_224(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-B/16 with standard attention cut to ``key_dim`` in all (``key_dim / 12`` per head); default 768."""
+    return _concat("concat_deit_base_patch16_224", "base", pretrained, None, kwargs)
+
+
+@register_model
+def concat_deit_tiny_patch16_224_k96(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-Ti/16, standard attention with key/query dim 96 (32 per head)."""
+    return _concat("concat_deit_tiny_patch16_224_k96", "tiny", pretrained, 96, kwargs)
+
+
+@register_model
+def concat_deit_tiny_patch16_224_k48(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-Ti/16, standard attention with key/query dim 48 (16 per head)."""
+    return _concat("concat_deit_tiny_patch16_224_k48", "tiny", pretrained, 48, kwargs)
+
+
+@register_model
+def concat_deit_small_patch16_224_k192(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-S/16, standard attention with key/query dim 192 (32 per head)."""
+    return _concat("concat_deit_small_patch16_224_k192", "small", pretrained, 192, kwargs)
+
+
+@register_model
+def concat_deit_small_patch16_224_k96(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-S/16, standard attention with key/query dim 96 (16 per head)."""
+    return _concat("concat_deit_small_patch16_224_k96", "small", pretrained, 96, kwargs)
+
+
+@register_model
+def concat_deit_base_patch16_224_k384(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-B/16, standard attention with key/query dim 384 (32 per head), the paper's baseline."""
+    return _concat("concat_deit_base_patch16_224_k384", "base", pretrained, 384, kwargs)
+
+
+@register_model
+def concat_deit_base_patch16_224_k192(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """DeiT-B/16, standard attention with key/query dim 192 (16 per head), the paper's baseline."""
+    return _concat("concat_deit_base_patch16_224_k192", "base", pretrained, 192, kwargs)

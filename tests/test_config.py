@@ -7,7 +7,7 @@ import torch
 
 from collab_vit.training.model_factory import build_model as create_model
 from collab_vit.training.config import ConfigError, build_config, parse_overrides, parse_train_args, save_config
-from collab_vit.training.trainer import param_groups
+from timm.optim import create_optimizer_v2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.yaml')))
@@ -88,8 +88,9 @@ def test_no_weight_decay_groups():
     model = create_model('collab_deit_tiny_patch16_224', 10, 32, 0.0, {'key_dim': 24, 'patch_size': 8, 'depth': 1,
                                                                         'embed_dim': 48, 'num_heads': 3})
     assert model.blocks[0].attn.mixing.ndim == 2  # a matrix: the 1-D rule alone would decay it
-    groups = param_groups(model, 0.05)
-    no_decay = {id(p) for g in groups if g['weight_decay'] == 0 for p in g['params']}
-    names = {n for n, p in model.named_parameters() if id(p) in no_decay}
-    assert {'pos_embed', 'cls_token', 'blocks.0.attn.mixing', 'blocks.0.norm1.weight', 'head.bias'} <= names
-    assert 'blocks.0.attn.query.weight' not in names and 'head.weight' not in names
+    for layer_decay in (None, 0.75):  # timm's own optimizer factory, with and without layer-wise lr decay
+        groups = create_optimizer_v2(model, 'adamw', lr=1e-3, weight_decay=0.05, layer_decay=layer_decay).param_groups
+        no_decay = {id(p) for g in groups if g['weight_decay'] == 0 for p in g['params']}
+        names = {n for n, p in model.named_parameters() if id(p) in no_decay}
+        assert {'pos_embed', 'cls_token', 'blocks.0.attn.mixing', 'blocks.0.norm1.weight', 'head.bias'} <= names
+        assert 'blocks.0.attn.query.weight' not in names and 'head.weight' not in names

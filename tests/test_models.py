@@ -134,3 +134,16 @@ def test_torch_compile_fullgraph() -> None:
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_each_model_has_its_own_register_function_and_deit_eval_crop() -> None:
+    """One ``def <name>`` per variant (grep / go-to-definition find it), and one crop_pct: the recipe's evaluation."""
+    import inspect
+
+    from collab_vit import models
+    from collab_vit.training.config import TrainConfig
+
+    source = inspect.getsource(models)
+    for name in COLLAB_MODELS + CONCAT_MODELS:
+        assert f"\ndef {name}(" in source
+        assert timm.create_model(name, device="meta").pretrained_cfg["crop_pct"] == TrainConfig().crop_pct == 0.875

@@ -154,3 +154,35 @@ def test_cli_errors_are_one_line(capsys) -> None:
         cli_main(["convert", "--model", "vit_base_patch16_224", "--key-dim", "96", "--out", "x.safetensors"])
     assert exit_info.value.code == 2
     assert "supports deit_{tiny,small,base}_patch16_224" in capsys.readouterr().err
+
+
+def test_convert_and_analyze_a_file_this_package_wrote(tmp_path) -> None:
+    """A training export records its model: convert / analyze need no --model, and keep its sizes and data config."""
+    from collab_vit.weights_io import export_safetensors, read_weights
+
+    kwargs = dict(img_size=28, patch_size=4, in_chans=1, depth=2, embed_dim=32, num_heads=4, num_classes=10)
+    torch.manual_seed(0)
+    source = timm.create_model("deit_tiny_patch16_224", **kwargs).eval()
+    data_config = {"input_size": [1, 28, 28], "mean": [0.286], "std": [0.353], "crop_pct": 1.0,
+                   "interpolation": "bicubic", "crop_mode": "center"}
+    trained = tmp_path / "model.safetensors"
+    export_safetensors(source.state_dict(), str(trained), "deit_tiny_patch16_224", kwargs, {"data_config": data_config})
+
+    out = tmp_path / "k8.safetensors"
+    assert cli_main(["convert", "--checkpoint", str(trained), "--key-dim", "8", "--out", str(out)]) == 0
+    _, meta = read_weights(str(out))
+    assert meta["model_name"] == "collab_deit_tiny_patch16_224"
+    assert meta["model_kwargs"] == {**kwargs, "key_dim": [8, 8]} and meta["data_config"] == data_config
+    loaded = timm.create_model("collab_deit_tiny_patch16_224", pretrained=True,
+                               pretrained_cfg_overlay=dict(file=str(out)), **kwargs)
+    expected = collab_vit.reparametrize(copy.deepcopy(source), key_dim=8, method="tucker")
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(x), expected.eval()(x))
+
+    assert cli_main(["analyze", "--checkpoint", str(trained), "--plot", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        cli_main(["convert", "--model", "deit_base_patch16_224", "--checkpoint", str(trained), "--key-dim", "8",
+                  "--out", str(tmp_path / "x.safetensors")])  # the file says deit_tiny: refused, nothing written
+    assert not (tmp_path / "x.safetensors").exists()

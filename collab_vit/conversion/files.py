@@ -1,16 +1,21 @@
-"""``collab-vit convert`` and ``collab-vit analyze``: pretrained DeiT -> collaborative file, redundancy spectrum."""
+"""``collab-vit convert`` and ``collab-vit analyze``: pretrained DeiT -> collaborative file, redundancy spectrum.
+
+The source is timm's pretrained DeiT (``--model``), a DeiT ``.pth`` file (``--checkpoint``, loaded through timm's
+pretrained path), or a file this package wrote (a training export or checkpoint): those record the model name and
+keyword arguments, which are then used as they are (any DeiT size, image size, channels or classes).
+"""
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import timm
 import torch.nn as nn
 
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
-from ..weights_io import atomic_write, export_safetensors
+from ..weights_io import atomic_write, export_safetensors, read_weights
 from .reparam import LayerReport, reparametrize_layers
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
@@ -25,13 +30,33 @@ def collaborative_name(source: str) -> str:
     return f"collab_deit_{match.group(1)}_patch16_224"
 
 
-def load_source(model: str, checkpoint: Optional[str] = None) -> nn.Module:
-    """A timm model with its pretrained weights (timm's hub) or the weights of ``checkpoint`` (.pth/.safetensors)."""
-    if checkpoint is not None:
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-        return timm.create_model(model, pretrained=True, pretrained_cfg_overlay=dict(file=str(checkpoint))).eval()
-    return timm.create_model(model, pretrained=True).eval()
+def load_source(model: Optional[str], checkpoint: Optional[str] = None) -> tuple[nn.Module, str, dict[str, Any],
+                                                                          dict[str, Any]]:
+    """The source model in eval mode, its name, its keyword arguments and the checkpoint's metadata.
+
+    A checkpoint that records ``model_name`` / ``model_kwargs`` (this package's exports) is loaded strictly into
+    that model; other files (timm / DeiT ``.pth``) go through timm's pretrained path for ``model``; with no
+    checkpoint, timm's pretrained weights for ``model`` are downloaded.
+    """
+    if checkpoint is None:
+        if not model:
+            raise ValueError("give --model (timm's pretrained weights) or --checkpoint FILE")
+        return timm.create_model(model, pretrained=True).eval(), model, {}, {}
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    state, meta = read_weights(str(checkpoint))
+    recorded = meta.get("model_name")
+    if recorded:
+        if model and model != recorded:
+            raise ValueError(f"{checkpoint} holds {recorded!r}, not --model {model!r}")
+        kwargs = dict(meta.get("model_kwargs") or {})
+        source = timm.create_model(recorded, **kwargs)
+        source.load_state_dict(state, strict=True)
+        return source.eval(), recorded, kwargs, meta
+    if not model:
+        raise ValueError(f"{checkpoint} does not record its model: give --model (e.g. deit_base_patch16_224)")
+    source = timm.create_model(model, pretrained=True, pretrained_cfg_overlay=dict(file=str(checkpoint)))
+    return source.eval(), model, {}, meta
 
 
 def parse_key_dim(text: str) -> Union[int, float, list[int]]:
@@ -52,30 +77,41 @@ def format_report(reports: list[LayerReport]) -> str:
     return "\n".join(lines)
 
 
-def convert_to_file(model_name: str, key_dim: Union[None, int, float, list[int]], method: str, out: Path,
+def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, **options) -> list[LayerReport]:
-    """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar."""
-    target = collaborative_name(model_name)
+    """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
+
+    The file records the collaborative model's name and keyword arguments (the source's, plus one key dim per
+    layer) and the source's evaluation data config, so ``eval.py`` and ``timm.create_model(...,
+    pretrained_cfg_overlay=dict(file=out))`` need nothing else.
+    """
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
-    model = load_source(model_name, checkpoint)
+    if model_name:
+        collaborative_name(model_name)  # an unsupported name fails before any download
+    model, model_name, source_kwargs, meta = load_source(model_name, checkpoint)
+    target = collaborative_name(model_name)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)
-    model_kwargs = {"key_dim": [r.key_dim for r in reports]}
+    model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}
     if model.num_classes != 1000:
         model_kwargs["num_classes"] = model.num_classes
     info = {"source": checkpoint or model_name, "method": method, "seed": seed,
             "layers": [r.as_dict() for r in reports]}
+    extra: dict[str, Any] = {"conversion": info}
+    if meta.get("data_config"):
+        extra["data_config"] = meta["data_config"]
     out.parent.mkdir(parents=True, exist_ok=True)
-    export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra={"conversion": info})
+    export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra=extra)
     sidecar = out.with_suffix(".json")
     text = json.dumps({"model_name": target, "model_kwargs": model_kwargs, **info}, indent=2)
     atomic_write(str(sidecar), lambda tmp: Path(tmp).write_text(text))
     return reports
 
 
-def analyze_to_files(model_name: str, checkpoint: Optional[str], plot: Path, threshold: float = 0.95
+def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95
                      ) -> tuple[str, int]:
     """Per-layer spectrum table (Markdown), PNG plot, and the key dim suggested at ``threshold``."""
-    spectra = layer_spectra(load_source(model_name, checkpoint))
+    model, model_name, _, _ = load_source(model_name, checkpoint)
+    spectra = layer_spectra(model)
     plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1)")
     return format_spectrum_table(spectra), suggest_key_dim(spectra, threshold)

@@ -66,6 +66,7 @@ class TrainConfig:
     lr: float = 5e-4  # base lr at a global batch of 512; scaled linearly to the actual global batch
     lr_base_batch: int = 512
     weight_decay: float = 0.05
+    layer_decay: float = 0.0  # layer-wise lr decay (BEiT/timm), e.g. 0.65 for fine-tuning; 0 disables
     opt_eps: float = 1e-8
     momentum: float = 0.9
     clip_grad: float = 0.0  # 0 disables

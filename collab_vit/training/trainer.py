@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, param_groups_weight_decay
+from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, NativeScaler, random_seed
 from torch.nn.parallel import DistributedDataParallel
@@ -27,15 +27,6 @@ from .loops import autocast_context, evaluate, train_one_epoch
 from .model_factory import build_model, load_weights
 from .logger import RunLogger
 from .preemption import StopRequest, make_skippable
-
-NO_WEIGHT_DECAY_EXTRA = ('*.mixing',)  # collaborative attention's mixing matrix, besides timm's 1-D rule
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float):
-    """timm's weight-decay groups: no decay for 1-D params, ``model.no_weight_decay()`` and the mixing matrices."""
-    skip = set(getattr(model, 'no_weight_decay', lambda: set())()) | set(NO_WEIGHT_DECAY_EXTRA)
-    return param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)
-
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> int:
     """The attention key/query dim of a ViT (``key_dim`` kwarg, the layer's attribute, ``_kNNN`` suffix, or D)."""
@@ -156,8 +147,9 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     global_batch = cfg.batch_size * dist_info.world_size * cfg.accum_steps
     lr = cfg.lr * global_batch / cfg.lr_base_batch
     opt_kwargs = {} if cfg.opt.lower().endswith(('sgd', 'momentum')) else {'eps': cfg.opt_eps}
+    # timm's groups: no decay for 1-D params and model.no_weight_decay() (which names the mixing matrices)
     optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                                    param_group_fn=lambda m: param_groups(m, cfg.weight_decay), **opt_kwargs)
+                                    layer_decay=cfg.layer_decay or None, **opt_kwargs)
     use_cuda_amp = cfg.amp and device.type == 'cuda'
     loss_scaler = NativeScaler(device='cuda') if use_cuda_amp and cfg.amp_dtype in ('float16', 'fp16') else None
     autocast = autocast_context(device, cfg.amp, cfg.amp_dtype)
