@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from collab_vit.training import trainer
+from collab_vit.training import data, trainer
+from collab_vit.training.distributed import DistInfo
 from collab_vit.training.checkpoint import load_checkpoint, save_checkpoint
 from collab_vit.training.preemption import SAMPLE_ORDER, EpochSeededSampler, SkipFirstSampler, StopRequest
 from collab_vit.training.config import build_config
@@ -39,6 +40,22 @@ def test_epoch_seeded_order_ignores_the_global_rng_and_iterators():
     one_later = EpochSeededSampler(ds, seed=0)
     one_later.set_epoch(1)
     assert list(one_later) != list(EpochSeededSampler(ds, seed=1))  # (seed, epoch + 1) is not (seed + 1, epoch)
+
+
+def test_gpu_prefetcher_loader_gets_the_seeded_sampler(tiny_data, tmp_path, monkeypatch):
+    """On CUDA timm wraps the DataLoader in its PrefetchLoader: the rebuilt DataLoader goes inside (checked on CPU by
+    letting timm build the prefetcher for the CPU)."""
+    create_loader = data.create_loader
+    on_cpu = torch.device('cpu')
+    monkeypatch.setattr(data, 'create_loader', lambda *a, **k: create_loader(*a, **{**k, 'device': on_cpu}))
+    cfg = build_config(None, tiny_overrides(tiny_data, str(tmp_path), num_workers=2, persistent_workers=True))
+    dataset = data.build_dataset('', tiny_data, 'train', True)
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device('cuda'))
+    loader = data.build_train_loader(cfg, dataset, data.eval_data_config(32, 0.875), cuda)
+    assert type(loader).__name__ == 'PrefetchLoader' and isinstance(loader.sampler, EpochSeededSampler)
+    assert loader.loader.num_workers == 2 and loader.loader.persistent_workers and loader.loader.drop_last
+    loader.sampler.set_epoch(1)
+    assert len(loader) == 6 and all(x.shape == (4, 3, 32, 32) for x, _ in loader)
 
 
 def record_trained_samples(monkeypatch) -> list:
