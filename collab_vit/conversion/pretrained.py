@@ -2,20 +2,30 @@
 
 ``timm.create_model("collab_deit_base_patch16_224", pretrained=True, key_dim=384)`` fetches timm's DeiT-B weights
 exactly as timm does, then ``collab_filter_fn`` re-parametrises each attention layer (section 3.3) and caches the
-result under ``<torch hub dir>/checkpoints/collab_vit/``, keyed by the source weights, method and key dims.
-A file written by ``collab-vit convert`` already holds collaborative weights and its key dims in its metadata.
+result under ``<torch hub dir>/checkpoints/collab_vit/``. A cache entry is keyed by everything it is made from (see
+:func:`cache_key`): every source tensor of the attention layers (values, biases, output projection included), the
+model's heads and key dims per block, the method, the decomposition options (defaults filled in), and the versions
+of collab-vit and torch.
+
+One conversion per cache: processes sharing the cache directory take an exclusive file lock on the entry (the first
+converts and writes, the others wait and read its file); with a ``torch.distributed`` process group, the first
+process of each node (``LOCAL_RANK`` 0, else rank 0) converts while the others wait at a barrier, so every rank must
+create the model (as DDP training does). A file written by ``collab-vit convert`` already holds collaborative
+weights and its key dims in its metadata.
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -26,19 +36,22 @@ from ..layers.attention import CollaborativeAttention
 from ..weights_io import atomic_write
 from .reparam import METHODS, collaborative_layer
 
-_conversion_method: ContextVar[str] = ContextVar("collab_vit_conversion_method", default="tucker")
+CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
+
+_conversion: ContextVar[tuple[str, dict[str, Any]]] = ContextVar("collab_vit_conversion", default=("tucker", {}))
 
 
 @contextmanager
-def conversion(method: str) -> Iterator[None]:
-    """Use ``method`` ("tucker" or "cp") when ``collab_filter_fn`` converts standard weights in this block."""
+def conversion(method: str, **options: Any) -> Iterator[None]:
+    """Use ``method`` ("tucker" or "cp") and its decomposition ``options`` (``seed, max_iter, tol, dtype``) when
+    ``collab_filter_fn`` converts standard weights in this block."""
     if method not in METHODS:
         raise ValueError(f"conversion_method must be one of {tuple(METHODS)}, got {method!r}")
-    token = _conversion_method.set(method)
+    token = _conversion.set((method, dict(options)))
     try:
         yield
     finally:
-        _conversion_method.reset(token)
+        _conversion.reset(token)
 
 
 def converted_file_kwargs(path: Optional[str]) -> dict[str, Any]:
@@ -54,17 +67,97 @@ def cache_dir() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / "collab_vit"
 
 
-def _cache_path(state_dict: dict[str, torch.Tensor], method: str, key_dims: list[int]) -> Path:
-    digest = hashlib.sha256()
-    for key in sorted(k for k in state_dict if k.endswith("attn.qkv.weight")):
-        digest.update(key.encode())
-        digest.update(state_dict[key].float().contiguous().numpy().tobytes())
-    digest.update(json.dumps([method, key_dims]).encode())
-    return cache_dir() / f"{digest.hexdigest()[:24]}_{method}.safetensors"
+def decomposition_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the decomposition's defaults filled in (so that passing a default changes no cache key)."""
+    parameters = inspect.signature(METHODS[method]).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    return {**defaults, **options}
 
 
-def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str) -> dict[str, Any]:
-    """Replace every standard ``blocks.N.attn.*`` entry by the collaborative layer at the model's key dims."""
+def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str,
+              options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The digest naming a cache entry, and its non-tensor part (stored in the entry's metadata).
+
+    The digest covers each source tensor the cached part derives from (every ``*.attn.*`` entry: name, dtype, shape,
+    bytes), the target layers (heads and key dim per block), the method, the decomposition options with defaults
+    filled in, ``CACHE_FORMAT`` and the collab-vit and torch versions.
+    """
+    from .. import __version__  # the package is imported by then; at module level this import would be circular
+    described = {
+        "format": CACHE_FORMAT, "collab_vit": __version__, "torch": torch.__version__, "method": method,
+        "options": decomposition_options(method, options),
+        "blocks": [[getattr(b.attn, "num_heads", None), getattr(b.attn, "key_dim", None)] for b in model.blocks],
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
+    for name in sorted(k for k in state_dict if ".attn." in k):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest(), described
+
+
+def _cache_path(digest: str, method: str) -> Path:
+    return cache_dir() / f"{digest[:32]}_{method}.safetensors"
+
+
+@contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<path>.lock`` (``fcntl.flock``: one holder among the processes that share the
+    directory, on other nodes too where the filesystem supports it); without file locks, no lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(f"{path}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            locked = True
+        except OSError:  # a filesystem without flock: atomic writes still keep every entry whole
+            locked = False
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _converts_first() -> bool:
+    """In a process group: whether this process converts while the others wait (the first one of its node, as the
+    torch hub dir may be node-local: ``LOCAL_RANK`` 0 under torchrun, else global rank 0)."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    return int(local_rank) == 0 if local_rank is not None else dist.get_rank() == 0
+
+
+def load_or_convert(path: Path, convert: Callable[[], dict[str, torch.Tensor]],
+                    metadata: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The cache entry at ``path``, or ``convert()`` written there: once per cache (see the module docstring).
+
+    Under the entry's lock a process reads the entry if it is there, else converts and writes it. In a process
+    group the converting processes go first and the others pass a barrier after them (any process that then finds
+    no entry, e.g. on another node with its own hub dir, converts under the lock in turn).
+    """
+    group = dist.is_available() and dist.is_initialized()
+    first = group and _converts_first()
+    if group and not first:
+        dist.barrier()
+    try:
+        with _entry_lock(path):
+            if path.is_file():
+                return load_file(str(path))
+            part = convert()
+            atomic_write(str(path), lambda tmp: save_file(part, tmp, metadata=metadata))
+            return part
+    finally:
+        if first:
+            dist.barrier()  # also when converting failed: the others then try themselves instead of hanging
+
+
+def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str,
+                            **options: Any) -> dict[str, Any]:
+    """Replace every standard ``blocks.N.attn.*`` entry by the collaborative layer at the model's key dims
+    (decomposition ``options``: ``seed, max_iter, tol, dtype``)."""
     converted = dict(state_dict)
     for index, block in enumerate(model.blocks):
         target = block.attn
@@ -74,7 +167,7 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
         dim = state_dict[prefix + "qkv.weight"].shape[1]
         attn = Attention(dim, target.num_heads, qkv_bias=prefix + "qkv.bias" in state_dict)
         attn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        layer, _ = collaborative_layer(attn, target.key_dim, method)
+        layer, _ = collaborative_layer(attn, target.key_dim, method, **options)
         for key in [k for k in converted if k.startswith(prefix)]:
             del converted[key]
         converted.update({prefix + k: v for k, v in layer.state_dict().items()})
@@ -82,18 +175,18 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
 
 
 def collab_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
-    """timm's ViT checkpoint filter, then (for standard-attention weights) conversion to the model's key dims."""
+    """timm's ViT checkpoint filter, then (for standard-attention weights) conversion to the model's key dims,
+    read from or written to the cache."""
     state_dict = checkpoint_filter_fn(state_dict, model)
     if not any(k.endswith("attn.qkv.weight") for k in state_dict):
         return state_dict
-    method = _conversion_method.get()
-    key_dims = [block.attn.key_dim for block in model.blocks]
-    cached = _cache_path(state_dict, method, key_dims)
-    if cached.is_file():
-        attention_part = load_file(str(cached))
-        return {k: v for k, v in state_dict.items() if ".attn." not in k} | attention_part
-    converted = convert_attention_state(state_dict, model, method)
-    attention_part = {k: v.contiguous() for k, v in converted.items() if ".attn." in k}
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(str(cached), lambda tmp: save_file(attention_part, tmp, metadata={"method": method}))
-    return converted
+    method, options = _conversion.get()
+    digest, described = cache_key(state_dict, model, method, options)
+
+    def convert() -> dict[str, torch.Tensor]:
+        converted = convert_attention_state(state_dict, model, method, **options)
+        return {k: v.contiguous() for k, v in converted.items() if ".attn." in k}
+
+    metadata = {"method": method, "key": json.dumps(described, sort_keys=True, default=str)}
+    attention_part = load_or_convert(_cache_path(digest, method), convert, metadata)
+    return {k: v for k, v in state_dict.items() if ".attn." not in k} | attention_part

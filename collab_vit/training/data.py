@@ -11,6 +11,7 @@ from .compat import patch_timm_posterize
 from .config import TrainConfig
 from .distributed import DistInfo
 from .errors import DataError
+from .preemption import EpochSeededSampler
 
 patch_timm_posterize()
 
@@ -96,9 +97,16 @@ def build_mixup(cfg: TrainConfig, fast: bool) -> Optional[Mixup]:
 
 def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist_info: DistInfo,
                        collate_fn=None) -> torch.utils.data.DataLoader:
-    """DeiT's training pipeline (RandAugment, random erasing, bicubic, repeated augmentation when distributed)."""
+    """DeiT's training pipeline (RandAugment, random erasing, bicubic, repeated augmentation when distributed).
+
+    The sample order of an epoch never depends on the global RNG, so a resumed epoch replays the order of the
+    uninterrupted one with or without data-loader workers: distributed, timm picks torch's ``DistributedSampler``
+    or its ``RepeatAugSampler`` (seeded by the epoch); in one process its ``RandomSampler`` (drawn from the global
+    RNG, which a fresh iterator first advances to seed its workers) is replaced by an :class:`EpochSeededSampler`
+    seeded by (``cfg.seed``, epoch).
+    """
     use_prefetcher = dist_info.device.type == 'cuda'
-    return create_loader(
+    loader = create_loader(
         dataset, input_size=data_cfg['input_size'], batch_size=cfg.batch_size, is_training=True,
         use_prefetcher=use_prefetcher, device=dist_info.device, re_prob=cfg.reprob, re_mode=cfg.remode,
         re_count=cfg.recount, scale=tuple(cfg.scale), hflip=cfg.hflip, color_jitter=cfg.color_jitter,
@@ -106,6 +114,21 @@ def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist
         interpolation=cfg.train_interpolation, mean=data_cfg['mean'], std=data_cfg['std'],
         num_workers=cfg.num_workers, distributed=dist_info.distributed, collate_fn=collate_fn,
         pin_memory=cfg.pin_memory and use_prefetcher, persistent_workers=cfg.persistent_workers)
+    inner = getattr(loader, 'loader', loader)  # timm's PrefetchLoader keeps the DataLoader in .loader
+    if not isinstance(inner.sampler, torch.utils.data.RandomSampler):
+        return loader  # distributed (epoch-seeded) or an iterable dataset (no sampler)
+    # timm's create_loader takes no sampler: the same DataLoader again with ours (no worker has started yet)
+    rebuilt = type(inner)(
+        inner.dataset, batch_size=inner.batch_size, sampler=EpochSeededSampler(inner.dataset, cfg.seed),
+        num_workers=inner.num_workers, collate_fn=inner.collate_fn, pin_memory=inner.pin_memory,
+        drop_last=inner.drop_last, timeout=inner.timeout, worker_init_fn=inner.worker_init_fn,
+        multiprocessing_context=inner.multiprocessing_context, generator=inner.generator,
+        prefetch_factor=inner.prefetch_factor, persistent_workers=inner.persistent_workers,
+        pin_memory_device=inner.pin_memory_device, in_order=inner.in_order)
+    if inner is loader:
+        return rebuilt
+    loader.loader = rebuilt
+    return loader
 
 
 def build_eval_loader(dataset, data_cfg: Dict[str, Any], batch_size: int, num_workers: int, dist_info: DistInfo,

@@ -6,18 +6,22 @@ shared run directory). The training loop asks :meth:`StopRequest.should_stop` at
 agreed by all ranks, so they checkpoint after the same step and exit. Repeated signals change nothing (under Slurm a
 worker gets SIGTERM both from slurmstepd and from its torchrun agent); SIGINT (Ctrl-C) still ends a run at once.
 
-Mid-epoch resume: :class:`SkipFirstSampler` wraps the training loader's sampler so that the resumed epoch draws the
-same order (the epoch's start RNG state is restored first), skips the batches already trained without loading them,
-and then restores the RNG state saved at the stop, so that what runs in the main process afterwards (augmentation
-with ``num_workers=0``, mixup, drop path) draws the same numbers as an uninterrupted run. Data-loader workers are
-restarted and reseeded, so with ``num_workers > 0`` their augmentations differ from the uninterrupted run.
+Mid-epoch resume: the sample order of an epoch is a function of (seed, epoch) alone (:class:`EpochSeededSampler` in
+a single process, torch's / timm's distributed samplers otherwise), never of the global RNG, so a fresh data-loader
+iterator (which first draws its workers' base seed from the global RNG) replays the same order.
+:class:`SkipFirstSampler` wraps the training loader's sampler, skips the batches already trained without loading
+them, and then restores the RNG state saved at the stop, so that what runs in the main process afterwards
+(augmentation with ``num_workers=0``, mixup, drop path) draws the same numbers as an uninterrupted run. Data-loader
+workers are restarted and reseeded, so with ``num_workers > 0`` their augmentations differ from the uninterrupted
+run; the samples they load do not.
 """
 from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence, Sized
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,6 +29,7 @@ from .checkpoint import set_rng_state
 
 STOP_FILE = 'STOP'
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SAMPLE_ORDER = 'epoch_seeded'  # marks mid-epoch checkpoints whose single-process order is EpochSeededSampler's
 
 
 class StopRequest:
@@ -79,11 +84,39 @@ class StopRequest:
         self._previous = {}
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 64-bit seed from ``seed`` and ``epoch`` (numpy's SeedSequence: (s, e + 1) and (s + 1, e) differ)."""
+    return int(np.random.SeedSequence([seed % 2 ** 64, epoch]).generate_state(1, np.uint64)[0])
+
+
+class EpochSeededSampler(torch.utils.data.Sampler):
+    """A random permutation of ``data_source`` drawn from its own generator seeded by (seed, epoch), like torch's
+    ``DistributedSampler`` for one process: the order depends on nothing else (not the global RNG, not how often or
+    when an iterator is created). ``set_epoch`` selects the epoch's permutation."""
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        self.data_source = data_source
+        self.seed = seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(epoch_seed(self.seed, self.epoch))
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
 class SkipFirstSampler(torch.utils.data.Sampler):
     """``sampler`` with its first ``skip`` indices dropped; ``set_epoch`` passes through.
 
-    The wrapped sampler still draws its permutation as before. When ``rng_after_skip`` is set, that RNG state is
-    restored once the skipped indices are drawn (before the first kept one is used), then forgotten.
+    The wrapped sampler draws its whole permutation as before (its order must not depend on the global RNG: see
+    :class:`EpochSeededSampler`). When ``rng_after_skip`` is set, that RNG state is restored once the skipped
+    indices are drawn (before the first kept one is used), then forgotten.
     """
 
     def __init__(self, sampler: torch.utils.data.Sampler, skip: int = 0) -> None:

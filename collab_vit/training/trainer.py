@@ -26,7 +26,7 @@ from .errors import ConfigError, DataError
 from .loops import autocast_context, evaluate, train_one_epoch
 from .model_factory import build_model, load_weights
 from .logger import RunLogger
-from .preemption import StopRequest, make_skippable
+from .preemption import SAMPLE_ORDER, StopRequest, make_skippable
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> int:
     """The attention key/query dim of a ViT (``key_dim`` kwarg, the layer's attribute, ``_kNNN`` suffix, or D)."""
@@ -195,6 +195,9 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
         batches_done = ckpt.get('batches_done', 0)  # > 0: stopped inside epoch start_epoch, rng is its start state
         if batches_done and len(ckpt['rng_at_stop']) == dist_info.world_size:
             skipper.rng_after_skip = ckpt['rng_at_stop'][dist_info.rank]
+        if batches_done and not dist_info.distributed and ckpt.get('sample_order') != SAMPLE_ORDER:
+            log.info(f'warning: {cfg.output}/last.pth was written inside an epoch by an older version whose sample '
+                     f'order differs: the rest of epoch {start_epoch} may repeat or miss some samples')
         if cfg.sched_on_updates:
             scheduler.step_update(num_updates)
         else:
@@ -217,7 +220,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     epochs_run = 0
     for epoch in range(start_epoch, cfg.epochs):
         start = time.perf_counter()
-        epoch_rng = rng_state()  # what a mid-epoch checkpoint stores: the epoch's data order replays from it
+        epoch_rng = rng_state()  # what a mid-epoch checkpoint stores (the sampler's order depends on the epoch only)
         skipper.skip = batches_done * cfg.batch_size
         if hasattr(train_loader.sampler, 'set_epoch'):
             train_loader.sampler.set_epoch(epoch)
@@ -235,7 +238,8 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
                 state = checkpoint_state(cfg, model, optimizer, scheduler, loss_scaler, model_ema, epoch - 1,
                                          num_updates, best_top1, best_epoch, rng_at_start, model_kwargs, data_cfg,
                                          record, batches_done)
-                save_checkpoint({**state, 'rng_at_stop': rng_at_stop}, os.path.join(cfg.output, 'last.pth'))
+                save_checkpoint({**state, 'rng_at_stop': rng_at_stop, 'sample_order': SAMPLE_ORDER},
+                                os.path.join(cfg.output, 'last.pth'))
             barrier()
             stop_request.acknowledge()
             log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} '
