@@ -120,8 +120,9 @@ def _create(
 ) -> CollabVisionTransformer:
     """Build a DeiT-style ViT whose blocks use ``attn_base`` with ``key_dim`` (one, or one per block).
 
-    ``kwargs`` are timm's ``VisionTransformer`` arguments plus ``key_dim``, ``mixing_init`` (collaborative only) and
-    ``conversion_method`` (how ``pretrained`` standard-attention weights are converted).
+    ``kwargs`` are timm's ``VisionTransformer`` arguments plus ``key_dim``, ``mixing_init`` (collaborative only),
+    ``conversion_method`` and ``conversion_options`` (how ``pretrained`` standard-attention weights are converted:
+    "tucker", "cp" or "parafac", with decomposition options such as ``seed``, ``max_iter``, ``tol``).
     """
     if pretrained:
         _file_architecture(kwargs)
@@ -130,6 +131,7 @@ def _create(
         raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {variant.rsplit('_k', 1)[0]} for "
                          f"key_dim={key_dim}")
     method = kwargs.pop("conversion_method", "tucker")
+    options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
     if isinstance(key_dim, (list, tuple)):
         attn_layer = per_block_attention_class(attn_base, tuple(check_key_dim(k) for k in key_dim), mixing_init)
@@ -137,7 +139,7 @@ def _create(
         full = kwargs.get("embed_dim", 768)
         attn_layer = attention_class(attn_base, full if key_dim is None else check_key_dim(key_dim), mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
-    with conversion(method):
+    with conversion(method, **options):
         model = build_model_with_cfg(
             CollabVisionTransformer, variant, pretrained,
             pretrained_filter_fn=collab_filter_fn,

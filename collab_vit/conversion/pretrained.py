@@ -43,7 +43,7 @@ _conversion: ContextVar[tuple[str, dict[str, Any]]] = ContextVar("collab_vit_con
 
 @contextmanager
 def conversion(method: str, **options: Any) -> Iterator[None]:
-    """Use ``method`` ("tucker" or "cp") and its decomposition ``options`` (``seed, max_iter, tol, dtype``) when
+    """Use ``method`` ("tucker", "cp" or "parafac") and its decomposition ``options`` (``seed, max_iter, tol, dtype``) when
     ``collab_filter_fn`` converts standard weights in this block."""
     if method not in METHODS:
         raise ValueError(f"conversion_method must be one of {tuple(METHODS)}, got {method!r}")
