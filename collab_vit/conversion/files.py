@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import timm
 import torch.nn as nn
@@ -25,13 +25,25 @@ def collaborative_name(source: str) -> str:
     return f"collab_deit_{match.group(1)}_patch16_224"
 
 
-def load_source(model: str, checkpoint: Optional[str] = None) -> nn.Module:
-    """A timm model with its pretrained weights (timm's hub) or the weights of ``checkpoint`` (.pth/.safetensors)."""
+def load_source(model: str, checkpoint: Optional[str] = None, model_kwargs: Optional[dict[str, Any]] = None
+                ) -> nn.Module:
+    """A timm model with its pretrained weights (timm's hub) or the weights of ``checkpoint`` (.pth/.safetensors).
+
+    ``model_kwargs`` (e.g. ``img_size``, ``patch_size``, ``depth``, ``num_classes``) describe the architecture of
+    ``checkpoint``: its classifier is kept whatever its number of classes.
+    """
+    kwargs = dict(model_kwargs or {})
+    overlay = {}
     if checkpoint is not None:
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-        return timm.create_model(model, pretrained=True, pretrained_cfg_overlay=dict(file=str(checkpoint))).eval()
-    return timm.create_model(model, pretrained=True).eval()
+        overlay = dict(file=str(checkpoint))
+        if "num_classes" in kwargs:  # the file's head: timm would drop a head whose size differs from its cfg's
+            overlay["num_classes"] = kwargs["num_classes"]
+    try:
+        return timm.create_model(model, pretrained=True, pretrained_cfg_overlay=overlay or None, **kwargs).eval()
+    except TypeError as error:  # an unknown keyword
+        raise ValueError(f"model kwargs {kwargs} do not fit {model}: {error}") from None
 
 
 def parse_key_dim(text: str) -> Union[int, float, list[int]]:
@@ -53,14 +65,19 @@ def format_report(reports: list[LayerReport]) -> str:
 
 
 def convert_to_file(model_name: str, key_dim: Union[None, int, float, list[int]], method: str, out: Path,
-                    checkpoint: Optional[str] = None, seed: int = 0, **options) -> list[LayerReport]:
-    """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar."""
+                    checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
+                    **options) -> list[LayerReport]:
+    """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
+
+    ``model_kwargs`` (the source's architecture, see :func:`load_source`) are recorded with the key dims, so that
+    ``eval.py`` and ``timm.create_model`` rebuild the converted model from the file alone.
+    """
     target = collaborative_name(model_name)
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
-    model = load_source(model_name, checkpoint)
+    model = load_source(model_name, checkpoint, model_kwargs)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)
-    model_kwargs = {"key_dim": [r.key_dim for r in reports]}
+    model_kwargs = {**(model_kwargs or {}), "key_dim": [r.key_dim for r in reports]}
     if model.num_classes != 1000:
         model_kwargs["num_classes"] = model.num_classes
     info = {"source": checkpoint or model_name, "method": method, "seed": seed,
