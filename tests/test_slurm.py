@@ -283,6 +283,16 @@ def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_da
     assert {p: p.stat().st_mtime_ns for p in steps} == steps
 
 
+def test_posthoc_without_data_fails_with_a_clear_message(slurm, tmp_path):
+    job = sbatch(slurm, 'posthoc.sbatch', options=('--array=0', f'--output={tmp_path}/%x-%A_%a.out'),
+                 extra_env={'RUNS_DIR': str(tmp_path / 'runs'), 'POSTHOC_DATA_DIR': str(tmp_path / 'imagenet')})
+    assert wait_for_end(slurm, f'{job}_0')['JobState'] == 'FAILED'
+    out = (tmp_path / f'collab-vit-posthoc-{job}_0.out').read_text()
+    missing = tmp_path / 'imagenet'
+    assert out.strip() == f"error: POSTHOC_DATA_DIR is not a directory: '{missing}' (set it to the ImageNet root)"
+    assert not (tmp_path / 'runs').exists()
+
+
 def test_bad_config_fails_the_job_with_a_clear_message(slurm, tmp_path):
     job = sbatch(slurm, 'train.sbatch', 'configs/no_such_config.yaml', options=(f'--output={tmp_path}/%x-%j.out',),
                  extra_env={'RUNS_DIR': str(tmp_path / 'runs')})
