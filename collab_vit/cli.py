@@ -85,9 +85,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, parse_key_dim
+    from .training.config import parse_key_value_pairs
 
+    model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
-                              seed=args.seed, max_iter=args.max_iter, tol=args.tol)
+                              seed=args.seed, model_kwargs=model_kwargs, max_iter=args.max_iter, tol=args.tol)
     print(format_report(reports))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
 
@@ -118,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="re-parametrise a pretrained DeiT into a collaborative model")
     convert.add_argument("--model", help="timm DeiT name, e.g. deit_base_patch16_224 (default: read from the checkpoint)")
     convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
+    convert.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+                         help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10")
     convert.add_argument("--key-dim", required=True, help="int, energy threshold (0.95) or comma list per layer")
     convert.add_argument("--method", choices=list(METHODS), default="tucker",
                          help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense)")

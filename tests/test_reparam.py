@@ -13,6 +13,7 @@ from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.conversion.reparam import reparametrize_layers as convert
+from collab_vit.weights_io import read_weights
 from tinyrun import make_image_folder
 
 SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)
@@ -186,3 +187,34 @@ def test_convert_and_analyze_a_file_this_package_wrote(tmp_path) -> None:
         cli_main(["convert", "--model", "deit_base_patch16_224", "--checkpoint", str(trained), "--key-dim", "8",
                   "--out", str(tmp_path / "x.safetensors")])  # the file says deit_tiny: refused, nothing written
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_convert_cli_model_kwargs_describe_the_source(tmp_path, capsys) -> None:
+    """--model-kwargs: a small DeiT (another size, depth, class count) converts and rebuilds from the file alone."""
+    source = small_deit()
+    path = tmp_path / "small.pth"
+    torch.save(source.state_dict(), path)
+    out = tmp_path / "small_k16.safetensors"
+    flags = [f"{k}={v}" for k, v in SMALL.items()]
+    assert cli_main(["convert", "--model", "deit_tiny_patch16_224", "--checkpoint", str(path), "--model-kwargs",
+                     *flags, "--key-dim", "16", "--method", "cp", "--out", str(out)]) == 0
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["model_kwargs"] == {**SMALL, "key_dim": [16] * 3}
+    convert(expected := copy.deepcopy(source), 16, "cp", progress=False)
+    data = make_image_folder(tmp_path / "data", classes=5, train_per_class=1, val_per_class=1, size=32)
+    results = evaluate_run(evaluate_args(["--checkpoint", str(out), "--data-dir", str(data), "--workers", "0"]))
+    assert results["num_params"] == sum(p.numel() for p in expected.parameters())
+    state, meta = read_weights(str(out))
+    assert torch.equal(state["head.weight"], source.head.weight)  # the file's 5-class head, not a new one
+    loaded = timm.create_model(meta["model_name"], **meta["model_kwargs"])
+    loaded.load_state_dict(state)
+    assert torch.equal(logits(loaded), logits(expected))
+
+    capsys.readouterr()
+    for bad, message in ((["depth"], "expected key=value pairs"), (["no_such_kwarg=1"], "do not fit")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["convert", "--model", "deit_tiny_patch16_224", "--checkpoint", str(path), "--model-kwargs",
+                      *bad, "--key-dim", "16", "--out", str(tmp_path / "bad.safetensors")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "bad.safetensors").exists()

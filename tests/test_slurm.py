@@ -21,6 +21,7 @@ import yaml
 from collab_vit.training.checkpoint import load_checkpoint
 from collab_vit.weights_io import read_weights
 from collab_vit.training.config import build_config
+from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.training.trainer import train
 
 from tinyrun import ROOT, tiny_data, tiny_overrides  # noqa: F401  (tiny_data is a fixture)
@@ -195,6 +196,101 @@ def test_convert_job_writes_a_collaborative_checkpoint(slurm, tmp_path):
     assert wait_for_end(slurm, job)['JobState'] == 'COMPLETED', (tmp_path / f'collab-vit-convert-{job}.out').read_text()
     _, meta = read_weights(str(out))
     assert meta['model_name'] == 'collab_deit_tiny_patch16_224' and (out.parent / 'logs').is_dir()
+
+
+# A standard DeiT far below DeiT-B's size, with its own class count: the source of the post-hoc array at tiny size
+POSTHOC_SOURCE = dict(img_size=32, patch_size=8, depth=1, embed_dim=48, num_heads=3, num_classes=3)
+POSTHOC_FINETUNE = ('--epochs', '1', '--batch-size', '4', '--lr-base-batch', '4', '--num-workers', '0', '--pin-memory',
+                    'false', '--persistent-workers', 'false', '--repeated-aug', '0', '--progress', 'false',
+                    '--cpu-threads', '1', '--device', 'cpu')
+
+
+def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_data, tmp_path):
+    """slurm/posthoc.sbatch at tiny size, Tucker and CP: conversion alone first (as on a CPU partition; one task gets
+    the time-limit warning mid-conversion and requeues), then the whole array, which finds the conversions done;
+    every cell converted, evaluated, fine-tuned and evaluated again, the source evaluated; a resubmission redoes
+    nothing. (The three tasks share the two CPUs: --oversubscribe.)"""
+    torch.manual_seed(0)
+    torch.save(timm.create_model('deit_tiny_patch16_224', **POSTHOC_SOURCE).state_dict(), tmp_path / 'source.pth')
+    kwargs = [f'{k}={v}' for k, v in POSTHOC_SOURCE.items()]
+    root = tmp_path / 'runs' / 'posthoc'
+    env = {'RUNS_DIR': str(tmp_path / 'runs'), 'EXPERIMENT': 'posthoc', 'POSTHOC_DATA_DIR': tiny_data,
+           'POSTHOC_MODEL': 'deit_tiny_patch16_224', 'POSTHOC_CHECKPOINT': str(tmp_path / 'source.pth'),
+           'POSTHOC_MODEL_KWARGS': ' '.join(kwargs), 'POSTHOC_KEY_DIMS': '12', 'POSTHOC_METHODS': 'tucker cp',
+           'NPROC_PER_NODE': '1', 'POSTHOC_EVAL_ARGS': '--cpu-threads 1 --workers 0 --batch-size 12'}
+    cells = {'tucker_k12': 'tucker', 'cp_k12': 'cp'}  # tasks 0 and 1; task 2: the source
+
+    def submit(name: str, warn_task: int = -1, **extra) -> list:
+        job = sbatch(slurm, 'posthoc.sbatch', *POSTHOC_FINETUNE, extra_env={**env, **extra},
+                     options=('--array=0-2', '--oversubscribe', f'--output={tmp_path}/{name}-%a.out'))
+        if warn_task >= 0:  # Slurm's time-limit warning (what --signal=B:USR1 does) while the conversion runs
+            out = tmp_path / f'{name}-{warn_task}.out'
+            wait_until(lambda: 'converting' in ''.join(lines(out)), 120, 'the conversion to start')
+            subprocess.run(['scancel', '--batch', '--signal=USR1', f'{job}_{warn_task}'], env=slurm, check=True)
+        restarts = []
+        for task in range(3):
+            info = wait_for_end(slurm, f'{job}_{task}')
+            assert info['JobState'] == 'COMPLETED', (tmp_path / f'{name}-{task}.out').read_text()
+            restarts.append(int(info['Restarts']))
+        assert restarts == [int(task == warn_task) for task in range(3)]
+        return [(tmp_path / f'{name}-{task}.out').read_text() for task in range(3)]
+
+    logs = submit('convert', warn_task=1, POSTHOC_CONVERT_ONLY='1')
+    assert 'SIGUSR1: requeueing' in logs[1] and logs[1].count('cp_k12: converting') == 2  # requeued, converted again
+    for task, (cell, method) in enumerate(cells.items()):
+        conversion = json.loads((root / cell / 'converted.json').read_text())
+        assert conversion['method'] == method and conversion['model_kwargs'] == {**POSTHOC_SOURCE, 'key_dim': [12]}
+        assert f'{cell}: converted (POSTHOC_CONVERT_ONLY=1' in logs[task]
+        assert not (root / cell / 'eval_converted.json').exists() and not (root / cell / 'finetune').exists()
+    assert 'source: nothing to convert' in logs[2] and not (root / 'source' / 'eval.json').exists()
+    converted_at = {cell: (root / cell / 'converted.safetensors').stat().st_mtime_ns for cell in cells}
+
+    logs = submit('all')
+    for task, (cell, method) in enumerate(cells.items()):
+        assert f'{cell}: converted already' in logs[task] and f'{cell}: done' in logs[task]
+        assert (root / cell / 'converted.safetensors').stat().st_mtime_ns == converted_at[cell]
+        result = json.loads((root / cell / 'result.json').read_text())
+        assert (result['method'], result['key_dim'], result['finetune_epochs']) == (method, 12, 1)
+        before = json.loads((root / cell / 'eval_converted.json').read_text())
+        after = json.loads((root / cell / 'eval_finetuned.json').read_text())
+        assert before['checkpoint'] == str(root / cell / 'converted.safetensors')
+        assert after['checkpoint'] == str(root / cell / 'finetune' / 'model.safetensors')
+        for step, evaluated in (('converted', before), ('finetuned', after)):
+            assert evaluated['model'] == 'collab_deit_tiny_patch16_224' and evaluated['num_samples'] == 12
+            assert 0 <= evaluated['top1'] <= 100 and result[step]['top1'] == evaluated['top1']
+        # fine-tuned from the converted weights with the fine-tune recipe; eval.py agrees with the trainer's last epoch
+        cfg = yaml.safe_load((root / cell / 'finetune' / 'config.yaml').read_text())
+        assert cfg['checkpoint'] == str(root / cell / 'converted.safetensors') and cfg['lr'] == 1e-5
+        _, meta = read_weights(str(root / cell / 'finetune' / 'model.safetensors'))
+        assert meta['model_name'] == 'collab_deit_tiny_patch16_224' and meta['model_kwargs']['key_dim'] == 12
+        assert after['top1'] == pytest.approx(meta['metrics']['top1'])
+    reference = evaluate_run(evaluate_args(['--model', 'deit_tiny_patch16_224', '--checkpoint',
+                                            str(tmp_path / 'source.pth'), '--data-dir', tiny_data, '--workers', '0',
+                                            '--cpu-threads', '1', '--model-kwargs', *kwargs]))
+    assert json.loads((root / 'source' / 'eval.json').read_text())['top1'] == pytest.approx(reference['top1'])
+    summary = json.loads((root / 'summary.json').read_text())
+    assert [(r['method'], r['key_dim']) for r in summary['cells']] == [('cp', 12), ('tucker', 12)]
+    assert summary['source']['top1'] == pytest.approx(reference['top1'])
+    assert len((root / 'summary.md').read_text().splitlines()) == 2 + 1 + 2  # header, source, cells
+
+    steps = {p: p.stat().st_mtime_ns for p in root.rglob('*') if p.suffix in ('.json', '.safetensors', '.pth')
+             and p.name not in ('result.json', 'summary.json')}
+    logs = submit('again')
+    for task, cell in enumerate(cells):
+        for step in ('converted', 'evaluated after conversion', 'fine-tuned', 'evaluated after fine-tuning'):
+            assert f'{cell}: {step} already' in logs[task]
+    assert 'source: evaluated already' in logs[2]
+    assert {p: p.stat().st_mtime_ns for p in steps} == steps
+
+
+def test_posthoc_without_data_fails_with_a_clear_message(slurm, tmp_path):
+    job = sbatch(slurm, 'posthoc.sbatch', options=('--array=0', f'--output={tmp_path}/%x-%A_%a.out'),
+                 extra_env={'RUNS_DIR': str(tmp_path / 'runs'), 'POSTHOC_DATA_DIR': str(tmp_path / 'imagenet')})
+    assert wait_for_end(slurm, f'{job}_0')['JobState'] == 'FAILED'
+    out = (tmp_path / f'collab-vit-posthoc-{job}_0.out').read_text()
+    missing = tmp_path / 'imagenet'
+    assert out.strip() == f"error: POSTHOC_DATA_DIR is not a directory: '{missing}' (set it to the ImageNet root)"
+    assert not (tmp_path / 'runs').exists()
 
 
 def test_bad_config_fails_the_job_with_a_clear_message(slurm, tmp_path):

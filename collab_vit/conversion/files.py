@@ -30,33 +30,46 @@ def collaborative_name(source: str) -> str:
     return f"collab_deit_{match.group(1)}_patch16_224"
 
 
-def load_source(model: Optional[str], checkpoint: Optional[str] = None) -> tuple[nn.Module, str, dict[str, Any],
-                                                                          dict[str, Any]]:
+def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kwargs: Optional[dict[str, Any]] = None
+                ) -> tuple[nn.Module, str, dict[str, Any], dict[str, Any]]:
     """The source model in eval mode, its name, its keyword arguments and the checkpoint's metadata.
 
     A checkpoint that records ``model_name`` / ``model_kwargs`` (this package's exports) is loaded strictly into
-    that model; other files (timm / DeiT ``.pth``) go through timm's pretrained path for ``model``; with no
-    checkpoint, timm's pretrained weights for ``model`` are downloaded.
+    that model; other files (timm / DeiT ``.pth``) go through timm's pretrained path for ``model``, with
+    ``model_kwargs`` (e.g. ``img_size``, ``patch_size``, ``depth``, ``num_classes``) describing their architecture
+    (the file's classifier is kept whatever its number of classes); with no checkpoint, timm's pretrained weights
+    for ``model`` are downloaded.
     """
-    if checkpoint is None:
+    kwargs = dict(model_kwargs or {})
+    meta: dict[str, Any] = {}
+    overlay: dict[str, Any] = {}
+    if checkpoint is not None:
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+        state, meta = read_weights(str(checkpoint))
+        recorded = meta.get("model_name")
+        if recorded:
+            if model and model != recorded:
+                raise ValueError(f"{checkpoint} holds {recorded!r}, not --model {model!r}")
+            kwargs = {**(meta.get("model_kwargs") or {}), **kwargs}
+            source = _create(recorded, kwargs)
+            source.load_state_dict(state, strict=True)
+            return source.eval(), recorded, kwargs, meta
         if not model:
-            raise ValueError("give --model (timm's pretrained weights) or --checkpoint FILE")
-        return timm.create_model(model, pretrained=True).eval(), model, {}, {}
-    if not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    state, meta = read_weights(str(checkpoint))
-    recorded = meta.get("model_name")
-    if recorded:
-        if model and model != recorded:
-            raise ValueError(f"{checkpoint} holds {recorded!r}, not --model {model!r}")
-        kwargs = dict(meta.get("model_kwargs") or {})
-        source = timm.create_model(recorded, **kwargs)
-        source.load_state_dict(state, strict=True)
-        return source.eval(), recorded, kwargs, meta
-    if not model:
-        raise ValueError(f"{checkpoint} does not record its model: give --model (e.g. deit_base_patch16_224)")
-    source = timm.create_model(model, pretrained=True, pretrained_cfg_overlay=dict(file=str(checkpoint)))
-    return source.eval(), model, {}, meta
+            raise ValueError(f"{checkpoint} does not record its model: give --model (e.g. deit_base_patch16_224)")
+        overlay = dict(file=str(checkpoint))
+        if "num_classes" in kwargs:  # the file's head: timm would drop a head whose size differs from its cfg's
+            overlay["num_classes"] = kwargs["num_classes"]
+    elif not model:
+        raise ValueError("give --model (timm's pretrained weights) or --checkpoint FILE")
+    return _create(model, kwargs, pretrained=True, pretrained_cfg_overlay=overlay or None).eval(), model, kwargs, meta
+
+
+def _create(name: str, kwargs: dict[str, Any], **extra: Any) -> nn.Module:
+    try:
+        return timm.create_model(name, **extra, **kwargs)
+    except TypeError as error:  # an unknown keyword
+        raise ValueError(f"model kwargs {kwargs} do not fit {name}: {error}") from None
 
 
 def parse_key_dim(text: str) -> Union[int, float, list[int]]:
@@ -78,18 +91,19 @@ def format_report(reports: list[LayerReport]) -> str:
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
-                    checkpoint: Optional[str] = None, seed: int = 0, **options) -> list[LayerReport]:
+                    checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
+                    **options) -> list[LayerReport]:
     """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
 
-    The file records the collaborative model's name and keyword arguments (the source's, plus one key dim per
-    layer) and the source's evaluation data config, so ``eval.py`` and ``timm.create_model(...,
-    pretrained_cfg_overlay=dict(file=out))`` need nothing else.
+    The file records the collaborative model's name and keyword arguments (the source's, see :func:`load_source`,
+    plus one key dim per layer) and the source's evaluation data config, so ``eval.py`` and
+    ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model from the file alone.
     """
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
     if model_name:
         collaborative_name(model_name)  # an unsupported name fails before any download
-    model, model_name, source_kwargs, meta = load_source(model_name, checkpoint)
+    model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
     target = collaborative_name(model_name)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)
     model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}

@@ -6,7 +6,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,15 @@ from .model_factory import build_model, load_weights
 from .logger import RunLogger
 from .preemption import SAMPLE_ORDER, StopRequest, make_skippable
 
-def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> int:
-    """The attention key/query dim of a ViT (``key_dim`` kwarg, the layer's attribute, ``_kNNN`` suffix, or D)."""
-    if 'key_dim' in model_kwargs:
-        return int(model_kwargs['key_dim'])
-    attn = getattr(getattr(model, 'blocks', [None])[0], 'attn', None)
-    if getattr(attn, 'key_dim', None):
-        return int(attn.key_dim)
+def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> Union[int, List[int]]:
+    """The attention key/query dim of a ViT: one int, or one per block when they differ (a converted model)."""
+    dims = [int(getattr(block.attn, 'key_dim', 0) or getattr(block.attn, 'attn_dim', 0))
+            for block in getattr(model, 'blocks', [])]
+    if dims and all(dims):
+        return dims[0] if len(set(dims)) == 1 else dims
+    key_dim = model_kwargs.get('key_dim')
+    if key_dim is not None:
+        return key_dim
     match = re.search(r'_k(\d+)$', name)
     return int(match.group(1)) if match else int(getattr(model, 'embed_dim', 0))
 
