@@ -85,7 +85,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, parse_key_dim
-    from .training.config import parse_key_value_pairs
+    from .training.flags import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
@@ -109,7 +109,9 @@ def _prepare_data(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="collab-vit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="collab-vit", description="Collaborative attention for timm ViTs: model table, "
+                                     "exact-conversion demo, post-hoc conversion (convert), redundancy spectrum "
+                                     "(analyze), offline data sets (prepare-data).")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("models", help="print the table of registered models").set_defaults(run=_models)
     demo = commands.add_parser("demo", help="model table + exact full-rank conversion of timm DeiTs")

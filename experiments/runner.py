@@ -1,7 +1,8 @@
 """Shared by the experiment scripts: run ``train.py`` / ``eval.py`` cells side by side, one JSON per run, tables.
 
 Each cell is an ordinary ``python train.py -c CONFIG --seed S --output RUN_DIR [flags]`` command, so any cell can be
-rerun by hand. A cell whose JSON already exists is not run again: an interrupted grid continues where it stopped.
+rerun by hand. An interrupted grid continues where it stopped: a cell whose JSON exists is not run again, a finished
+run directory is only read, and a run with an epoch checkpoint (``last.pth``) continues with ``--resume`` (exact).
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class Cell:
     flags: list[str] = field(default_factory=list)
     label: dict[str, Any] = field(default_factory=dict)  # what the tables group by (variant, key dim, ...)
 
-    def command(self, run_dir: Path) -> list[str]:
+    def command(self, run_dir: Path, resume: bool = False) -> list[str]:
         return [sys.executable, str(ROOT / 'train.py'), '-c', str(ROOT / self.config), '--seed', str(self.seed),
-                '--output', str(run_dir), '--progress', 'false', *self.flags]
+                '--output', str(run_dir), '--progress', 'false', *self.flags, *(['--resume'] if resume else [])]
 
 
 def git_commit() -> str:
@@ -91,25 +92,28 @@ def run_cells(cells: Sequence[Cell], results: Path, runs: Path, jobs: int = 2,
     todo = [c for c in cells if not (results / f'{c.name}.json').exists()]
     print(f'{len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run, {jobs} at a time',
           flush=True)
-    running: list[tuple[Cell, subprocess.Popen, float, Any]] = []
+    running: list[tuple[Cell, subprocess.Popen, float, Any, str]] = []
     done = len(cells) - len(todo)
     failures = []
     while todo or running:
         while todo and len(running) < jobs:
             cell = todo.pop(0)
             run_dir = runs / cell.name
-            if run_dir.exists():  # an interrupted attempt: start it again from scratch
+            finished = (run_dir / 'model.safetensors').exists()
+            resume = not finished and (run_dir / 'last.pth').exists()
+            if run_dir.exists() and not (finished or resume):  # an attempt without a checkpoint: start afresh
                 import shutil
                 shutil.rmtree(run_dir)
-            run_dir.mkdir(parents=True)
-            log = open(run_dir / 'train.log', 'w')
-            proc = subprocess.Popen(cell.command(run_dir), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env=env_for_children())
-            running.append((cell, proc, time.time(), log))
-            print(f'{time.strftime("%H:%M:%S")} start {cell.name}', flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir / 'train.log', 'a')
+            command = [sys.executable, '-c', 'pass'] if finished else cell.command(run_dir, resume)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env_for_children())
+            what = 'read finished' if finished else 'resume' if resume else 'start'
+            running.append((cell, proc, time.time(), log, what))
+            print(f'{time.strftime("%H:%M:%S")} {what} {cell.name}', flush=True)
         time.sleep(2)
         for item in list(running):
-            cell, proc, start, log = item
+            cell, proc, start, log, what = item
             if proc.poll() is None:
                 continue
             running.remove(item)
@@ -122,6 +126,7 @@ def run_cells(cells: Sequence[Cell], results: Path, runs: Path, jobs: int = 2,
                       f'{runs / cell.name / "train.log"}', flush=True)
                 continue
             record = finish_cell(cell, runs / cell.name, seconds)
+            record['invocation'] = what  # 'start': seconds is the whole run; else only this invocation's part
             if on_done is not None:
                 on_done(cell, record)
             write_json(results / f'{cell.name}.json', record)

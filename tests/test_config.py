@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from collab_vit.training.model_factory import build_model as create_model
-from collab_vit.training.config import ConfigError, build_config, parse_overrides, parse_train_args, save_config
+from collab_vit.training.config import ConfigError, build_config, save_config
+from collab_vit.training.flags import parse_overrides, parse_train_args
 from timm.optim import create_optimizer_v2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,3 +95,37 @@ def test_no_weight_decay_groups():
         names = {n for n, p in model.named_parameters() if id(p) in no_decay}
         assert {'pos_embed', 'cls_token', 'blocks.0.attn.mixing', 'blocks.0.norm1.weight', 'head.bias'} <= names
         assert 'blocks.0.attn.query.weight' not in names and 'head.weight' not in names
+
+
+@pytest.mark.parametrize('command', [['train.py'], ['eval.py'], ['-m', 'collab_vit.cli']])
+def test_help_exits_zero_and_lists_options(command):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, *command, '--help'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('usage:') and not result.stderr
+    if command == ['train.py']:
+        from collab_vit.training.config import FIELDS
+        for key in FIELDS:  # every key, with its default, in its group
+            assert '--' + key.replace('_', '-') in result.stdout
+        for group in ('model:', 'data:', 'augmentation:', 'optimizer:', 'scheduler:', 'EMA:'):
+            assert group in result.stdout
+
+
+def test_every_key_has_help_in_one_group():
+    from collab_vit.training.config import FIELDS
+    from collab_vit.training.flags import GROUPS
+    keys = [k for group in GROUPS.values() for k in group]
+    assert sorted(keys) == sorted(FIELDS) and len(keys) == len(set(keys))
+
+
+def test_timm_spellings_and_no_flags():
+    ours = parse_overrides(['--num-workers', '3', '--accum-steps', '2', '--repeated-aug', '0', '--pin-memory', 'false',
+                            '--checkpoint', 'w.pth', '--batch-size', '16', '--persistent-workers', 'false'])
+    timm_style = parse_overrides(['-j', '3', '--grad-accum-steps', '2', '--aug-repeats', '0', '--no-pin-mem',
+                                  '--initial-checkpoint', 'w.pth', '-b', '16', '--no-persistent-workers'])
+    assert build_config(None, ours) == build_config(None, timm_style)
+    assert parse_overrides(['--model_kwargs', 'key_dim=8', '--no-model-ema']) == {'model_kwargs': {'key_dim': 8},
+                                                                                   'model_ema': 'false'}
+    with pytest.raises(ConfigError, match="unknown config key 'workerz'.*'num_workers'"):
+        parse_overrides(['--workerz', '2'])

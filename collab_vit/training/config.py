@@ -1,9 +1,9 @@
-"""Training configuration: one dataclass of hyperparameters, YAML files with ``base:`` inheritance, CLI overrides.
+"""Training configuration: one dataclass of hyperparameters, YAML files with ``base:`` inheritance, overrides.
 
 Every hyperparameter is a field of :class:`TrainConfig`. A YAML file sets any subset of them and may inherit from
-another file through ``base: relative/path.yaml``; command-line flags ``--key value`` (``-`` or ``_`` both accepted)
-override the result, typed from the field's default. An unknown key anywhere is a :class:`ConfigError` that names it
-and the closest valid key.
+another file through ``base: relative/path.yaml``; overrides (``train.py``'s flags, :mod:`.flags`) replace the
+result, typed from the field's default. An unknown key anywhere is a :class:`ConfigError` that names it and the
+closest valid key.
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ class TrainConfig:
     log_wandb: bool = False
     wandb_project: str = 'collab-vit'
     experiment: str = ''  # run name; '' = derived from the output directory
-    progress: bool = True  # tqdm bar on rank 0
+    progress: bool = True  # rank 0: a tqdm bar on a terminal, else a plain line every log_interval updates
+    log_interval: int = 50
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-type dict (tuples become lists), suitable for YAML, JSON and ``torch.load(weights_only=True)``."""
@@ -179,45 +180,16 @@ def read_yaml(path: str, _seen: Tuple[str, ...] = ()) -> Dict[str, Any]:
     return merged
 
 
-def parse_overrides(argv: Sequence[str]) -> Dict[str, Any]:
-    """Parse ``--key value`` flags (``--flag`` alone sets a bool; ``--model-kwargs a=1 b=2`` fills a dict)."""
-    out: Dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith('--'):
-            raise ConfigError(f"unexpected argument '{arg}' (flags look like --key value)")
-        key, _, inline = arg[2:].partition('=')
-        key = key.replace('-', '_')
-        _check_key(key, 'command-line flags')
-        values: List[str] = [inline] if inline else []
-        i += 1
-        while i < len(argv) and not argv[i].startswith('--'):
-            values.append(argv[i])
-            i += 1
-        default = _default(key)
-        if isinstance(default, bool) and not values:
-            out[key] = True
-        elif isinstance(default, dict):
-            out[key] = parse_key_value_pairs(values, f'--{key}')
-        elif isinstance(default, tuple):
-            out[key] = [yaml.safe_load(v) for v in values]
-        elif len(values) != 1:
-            raise ConfigError(f"flag '--{key}' takes exactly one value, got {len(values)}")
-        else:
-            out[key] = values[0] if isinstance(default, str) else yaml.safe_load(values[0])
-    return out
-
-
 def build_config(path: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None) -> TrainConfig:
     """Resolve a config: dataclass defaults <- YAML chain at ``path`` <- ``overrides`` (dict-valued keys merge)."""
     values = read_yaml(path) if path else {}
+    where = {key: path for key in values}
     for key, value in (overrides or {}).items():
         _check_key(key, 'overrides')
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             value = {**values[key], **value}
-        values[key] = value
-    kwargs = {k: _coerce(k, v, path or 'overrides') for k, v in values.items()}
+        values[key], where[key] = value, 'command-line flags'
+    kwargs = {k: _coerce(k, v, where[k]) for k, v in values.items()}
     cfg = TrainConfig(**kwargs)
     if not cfg.output:
         name = os.path.splitext(os.path.basename(path))[0] if path else 'run'
@@ -229,28 +201,3 @@ def save_config(cfg: TrainConfig, path: str) -> None:
     """Write the resolved config as YAML (it loads back with :func:`build_config`)."""
     with open(path, 'w') as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-
-
-def parse_train_args(argv: Sequence[str]) -> TrainConfig:
-    """``-c FILE`` / ``--config FILE`` plus any ``--key value`` overrides, as used by ``train.py``."""
-    argv = list(argv)
-    path = None
-    for flag in ('-c', '--config'):
-        if flag in argv:
-            i = argv.index(flag)
-            if i + 1 >= len(argv):
-                raise ConfigError(f'{flag} needs a config file path')
-            path = argv[i + 1]
-            del argv[i:i + 2]
-    return build_config(path, parse_overrides(argv))
-
-
-def parse_key_value_pairs(values: List[str], flag: str) -> Dict[str, Any]:
-    """``['key_dim=384', 'depth=6']`` -> ``{'key_dim': 384, 'depth': 6}`` (values parsed as YAML)."""
-    pairs = {}
-    for value in values:
-        key, sep, text = value.partition('=')
-        if not sep:
-            raise ConfigError(f"bad value '{value}' for '{flag}' (expected key=value pairs)")
-        pairs[key] = yaml.safe_load(text)
-    return pairs

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..weights_io import read_weights
-from .config import parse_key_value_pairs
+from .flags import parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .errors import ConfigError, DataError
@@ -22,25 +22,49 @@ from .loops import autocast_context, evaluate
 from .model_factory import build_model
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (main prints it)
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """eval.py's flags; timm's validate.py spellings (-b, -j, --data, --results-file) are accepted too."""
+    p = _Parser(prog='eval.py', description=__doc__.splitlines()[0], allow_abbrev=False,
+                epilog='Examples:\n  python eval.py --checkpoint runs/b192/model.safetensors --data-dir /data/imagenet\n'
+                       '  python eval.py --model deit_base_patch16_224 --checkpoint deit_base.pth --data-dir /data/imagenet',
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group('model')
+    model.add_argument('--model', default='', help='timm model name (default: read from the checkpoint)')
+    model.add_argument('--checkpoint', '--initial-checkpoint', default='',
+                       help='.pth (ours or timm/DeiT) or .safetensors; none = random init')
+    model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of a training checkpoint')
+    model.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE', help='e.g. key_dim=384')
+    model.add_argument('--num-classes', type=int, default=None, help='default: checkpoint metadata or head size')
+    data = p.add_argument_group('data')
+    data.add_argument('--data-dir', '--data', required=True,
+                      help='dataset root (ImageFolder with a val/ split, or see --dataset)')
+    data.add_argument('--dataset', default='', help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, "
+                                                     "wds/..., hfds/...)")
+    data.add_argument('--split', default='validation', help='split to evaluate (default: validation)')
+    data.add_argument('--dataset-download', action='store_true', help='let torchvision / TFDS / HF readers download')
+    data.add_argument('--img-size', type=int, default=None, help='default: checkpoint metadata or model default')
+    data.add_argument('--in-chans', type=int, default=None, help='default: checkpoint metadata, else 3')
+    data.add_argument('--crop-pct', type=float, default=None,
+                      help="default: as in training, else the model's default cfg (0.875 for DeiT, as in training)")
+    data.add_argument('--mean', type=float, nargs='+', default=None, help='default: as in training, else the model\'s')
+    data.add_argument('--std', type=float, nargs='+', default=None, help='default: as in training, else the model\'s')
+    data.add_argument('-b', '--batch-size', type=int, default=128)
+    data.add_argument('-j', '--workers', type=int, default=4, help='data-loader worker processes')
+    run = p.add_argument_group('run')
+    run.add_argument('--device', default='', help="'' = cuda when available, else cpu")
+    run.add_argument('--amp', action='store_true', help='bfloat16 autocast on GPU')
+    run.add_argument('--cpu-threads', type=int, default=0)
+    run.add_argument('--output', '--results-file', default='', help='write the results here as JSON')
+    return p
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--model', default='', help='timm model name (default: read from the checkpoint)')
-    p.add_argument('--checkpoint', default='', help='.pth (ours or timm/DeiT) or .safetensors; none = random init')
-    p.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of a training checkpoint')
-    p.add_argument('--data-dir', required=True, help='dataset root (ImageFolder with a val/ split, or see --dataset)')
-    p.add_argument('--dataset', default='', help="timm dataset name ('' = ImageFolder; 'wds/...', 'hfds/...')")
-    p.add_argument('--split', default='validation')
-    p.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE', help='e.g. key_dim=384')
-    p.add_argument('--num-classes', type=int, default=None, help='default: checkpoint metadata or head size')
-    p.add_argument('--img-size', type=int, default=None, help='default: checkpoint metadata or model default')
-    p.add_argument('--crop-pct', type=float, default=None, help='default: as in training, else 0.875 (DeiT)')
-    p.add_argument('--batch-size', type=int, default=128)
-    p.add_argument('--workers', type=int, default=4)
-    p.add_argument('--device', default='', help="'' = cuda when available, else cpu")
-    p.add_argument('--amp', action='store_true', help='bfloat16 autocast on GPU')
-    p.add_argument('--cpu-threads', type=int, default=0)
-    p.add_argument('--output', default='', help='write the results here as JSON')
-    return p.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -61,16 +85,23 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 1000
         img_size = args.img_size or kwargs.pop('img_size', None)
         kwargs.pop('img_size', None)
+        if args.in_chans:
+            kwargs['in_chans'] = args.in_chans
         model = build_model(name, num_classes, img_size, 0.0, kwargs)
         if state:
             model.load_state_dict(state, strict=True)
         model.to(dist_info.device)
 
         data_cfg = meta.get('data_config')
-        if not data_cfg or args.img_size or args.crop_pct:
+        if not data_cfg or args.img_size or args.crop_pct or args.mean or args.std or args.in_chans:
             size = img_size or model.patch_embed.img_size[0]
-            data_cfg = eval_data_config(size, args.crop_pct or 0.875, model)
-        dataset = build_dataset(args.dataset, args.data_dir, args.split, is_training=False)
+            in_chans = args.in_chans or model.patch_embed.proj.in_channels
+            recorded = data_cfg or {}
+            data_cfg = eval_data_config(size, args.crop_pct or recorded.get('crop_pct') or
+                                        model.pretrained_cfg.get('crop_pct', 0.875), model, in_chans,
+                                        args.mean or recorded.get('mean') or (), args.std or recorded.get('std') or ())
+        dataset = build_dataset(args.dataset, args.data_dir, args.split, is_training=False,
+                                download=args.dataset_download)
         loader = build_eval_loader(dataset, data_cfg, args.batch_size, args.workers, dist_info)
         metrics = evaluate(model, loader, dist_info, shard_size(len(dataset), dist_info),
                            autocast_context(dist_info.device, args.amp, 'bfloat16'), progress=True)

@@ -315,7 +315,7 @@ def format_summary(s: Dict[str, Any]) -> str:
 def main(argv: Optional[list] = None) -> int:
     """Console entry: ``train.py -c CONFIG [--key value ...]``; config and data errors are one line, exit 2."""
     import sys
-    from .config import parse_train_args
+    from .flags import parse_train_args
     try:
         cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
         train(cfg)
