@@ -176,3 +176,18 @@ def test_finetune_from_checkpoint_loads_weights(tiny_data, tmp_path):
     train(build_config(None, tiny_overrides(tiny_data, str(tmp_path / 'ft'), **frozen)))
     a, b = load_file(tmp_path / 'pre' / 'model.safetensors'), load_file(tmp_path / 'ft' / 'model.safetensors')
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_progress_in_a_log_file_is_plain_lines(tiny_data, tmp_path):
+    """stdout/stderr to a file (a Slurm job, `train.py > log`): one line per log_interval updates, no bar."""
+    flags = to_flags(tiny_overrides(tiny_data, str(tmp_path / 'run'), epochs=1, progress=True, log_interval=2))
+    log = tmp_path / 'train.log'
+    with open(log, 'w') as f:
+        proc = subprocess.run([sys.executable, 'train.py', *flags], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, 'PYTHONPATH': ROOT, 'OMP_NUM_THREADS': '1'}, timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-2000:]
+    assert '\r' not in text and 'it/s' not in text  # no tqdm bar
+    progress = [line for line in text.splitlines() if line.startswith('epoch 0 [')]
+    assert [line.split(']')[0] for line in progress] == ['epoch 0 [2/6', 'epoch 0 [4/6', 'epoch 0 [6/6']
+    assert all(' loss ' in line and ' img/s' in line for line in progress)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -23,6 +24,11 @@ def autocast_context(device: torch.device, amp: bool, amp_dtype: str) -> Callabl
     return contextlib.nullcontext
 
 
+def on_terminal() -> bool:
+    """Whether progress goes to a terminal (tqdm writes to stderr); in a log file it is plain lines instead."""
+    return sys.stderr.isatty()
+
+
 def train_one_epoch(
         model: torch.nn.Module,
         loader,
@@ -42,11 +48,13 @@ def train_one_epoch(
         model_ema: Optional[ModelEmaV3] = None,
         progress: bool = True,
         stop_request: Optional[StopRequest] = None,
+        log_interval: int = 50,
 ) -> tuple[Dict[str, float], int]:
     """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far).
 
     With ``stop_request``, all ranks leave together after the first optimizer update at which a stop was asked for;
-    the metrics then say ``stopped: True`` and ``batches`` counts the batches trained in this pass.
+    the metrics then say ``stopped: True`` and ``batches`` counts the batches trained in this pass. Progress (rank
+    0, ``progress``): a tqdm bar on a terminal, else one plain line every ``log_interval`` updates.
     """
     model.train()
     device = dist_info.device
@@ -55,8 +63,10 @@ def train_one_epoch(
     samples = batches = 0
     stopped = False
     start = time.perf_counter()
+    show = progress and dist_info.is_main
+    lines = show and not on_terminal()
     bar = tqdm(loader, total=num_batches, desc=f'epoch {epoch}', leave=False, dynamic_ncols=True,
-               disable=not (progress and dist_info.is_main))
+               disable=not show or lines)
     optimizer.zero_grad(set_to_none=True)
     for i, (images, targets) in enumerate(bar):
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -88,6 +98,10 @@ def train_one_epoch(
         samples += images.shape[0]
         batches += 1
         bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        if lines and need_update and num_updates % max(log_interval, 1) == 0:
+            print(f"epoch {epoch} [{i + 1}/{num_batches}] loss {loss_meter.avg:.4f} "
+                  f"lr {optimizer.param_groups[0]['lr']:.2e} {samples / (time.perf_counter() - start):.0f} img/s",
+                  flush=True)
         if need_update and stop_request is not None and stop_request.should_stop(device):
             stopped = True
             break
@@ -119,7 +133,8 @@ def evaluate(
     device = dist_info.device
     loss_sum = correct1 = correct5 = seen = 0.0
     start = time.perf_counter()
-    for images, targets in tqdm(loader, desc='eval', leave=False, disable=not (progress and dist_info.is_main)):
+    show = progress and dist_info.is_main and on_terminal()  # evaluation is short: no lines in a log file
+    for images, targets in tqdm(loader, desc='eval', leave=False, disable=not show):
         keep = min(images.shape[0], num_samples - int(seen))
         if keep <= 0:
             break

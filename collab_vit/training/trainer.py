@@ -230,7 +230,8 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
             model, train_loader, optimizer, train_loss, dist_info, epoch, num_updates, scheduler=scheduler,
             sched_on_updates=cfg.sched_on_updates, accum_steps=cfg.accum_steps, clip_grad=cfg.clip_grad,
             clip_mode=cfg.clip_mode, mixup_fn=None if prefetch else mixup, autocast=autocast,
-            loss_scaler=loss_scaler, model_ema=model_ema, progress=cfg.progress, stop_request=stop_request)
+            loss_scaler=loss_scaler, model_ema=model_ema, progress=cfg.progress, stop_request=stop_request,
+            log_interval=cfg.log_interval)
         epoch_batches = skipper.skip // cfg.batch_size + len(train_loader)
         batches_done += record.pop('batches')
         stopped = record.pop('stopped')
