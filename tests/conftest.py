@@ -7,12 +7,12 @@ import torch
 import collab_vit  # noqa: F401  (registers the models with timm before any test module is collected)
 from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS
 
-from timm_upstream import SUITE_DIR, fetch_suite
+from timm_upstream import SUITE_DIR, fetch_suite, hub_reachable, remove_stale_suites
 
 OUR_MODELS = set(COLLAB_MODELS + CONCAT_MODELS)
-# timm's CI selects its model tests by these markers; unmarked tests (e.g. the slow pruning contract) it skips too.
-TIMM_CI_MARKERS = {"base", "forward", "backward", "cfg", "cfg_nonstd", "torchscript", "features", "fxforward",
-                   "fxbackward"}
+# Needs timm's pretrained weights from the Hugging Face hub; skipped (with this reason) when the hub is unreachable.
+NETWORK_TESTS = {"test_model_load_pretrained": "downloads pretrained weights from the Hugging Face hub"}
+UPSTREAM: dict = {"path": None, "reason": ""}
 
 
 @pytest.fixture(scope="module")
@@ -25,22 +25,39 @@ def one_thread():
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for marker in sorted(TIMM_CI_MARKERS):
+    for marker in ("base", "forward", "backward", "cfg", "cfg_nonstd", "torchscript", "features", "fxforward",
+                   "fxbackward"):
         config.addinivalue_line("markers", f"{marker}: timm model-test marker")
-    fetch_suite()
+    UPSTREAM["path"], UPSTREAM["reason"] = fetch_suite()
+    remove_stale_suites(UPSTREAM["path"])
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if UPSTREAM["path"] is None:
+        return f"timm upstream model suite: SKIPPED - {UPSTREAM['reason']}"
+    return f"timm upstream model suite: {UPSTREAM['path'].name} (all its tests, on our models)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep timm's own tests only where timm's CI would run them and they are parametrised by one of our models."""
+    """Keep every timm test parametrised by one of our models, as timm runs its suite on a developer's machine (not
+    only its CI markers); the network-bound ones skip, with the reason, when the hub is unreachable."""
     kept, dropped = [], []
+    online = None
     for item in items:
         if SUITE_DIR not in item.path.parents:
             kept.append(item)
             continue
         params = getattr(item, "callspec", None)
         model = params.params.get("model_name") if params else None
-        in_timm_ci = any(mark.name in TIMM_CI_MARKERS for mark in item.iter_markers())
-        (kept if model in OUR_MODELS and in_timm_ci else dropped).append(item)
+        base_model = model.split(".")[0] if isinstance(model, str) else None
+        if base_model not in OUR_MODELS:
+            dropped.append(item)
+            continue
+        if item.originalname in NETWORK_TESTS:
+            online = hub_reachable() if online is None else online
+            if not online:
+                item.add_marker(pytest.mark.skip(reason=f"offline: {NETWORK_TESTS[item.originalname]}"))
+        kept.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -1,17 +1,21 @@
 """Fetch timm's own model test-suite (``tests/test_models.py`` of the installed timm's sdist) to run on our models.
 
-timm ships its tests only in the source distribution, so we download it with pip (``--no-binary :all:``), take
-``tests/test_models.py`` and add our model patterns to the two lists that say how timm treats DeiT-like models:
-``NON_STD_FILTERS`` (ViTs have no spatial feature maps, exactly as timm's own ``deit*``) and ``FEAT_INTER_FILTERS``
-(modules whose models support ``forward_intermediates``; ours live in the module ``collab_vit.models``).
+timm ships its tests only in the source distribution, so it is downloaded once with pip (``--no-binary :all:``) and
+kept in a cache (``$COLLAB_VIT_CACHE`` or ``~/.cache/collab-vit``); later runs, offline ones too, use the cache.
+Our model patterns are added to the two lists that say how timm treats DeiT-like models: ``NON_STD_FILTERS`` (ViTs
+have no spatial feature maps, exactly as timm's own ``deit*``) and ``FEAT_INTER_FILTERS`` (modules whose models
+support ``forward_intermediates``; ours live in the module ``collab_vit.models``).
 """
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import timm
 
@@ -24,26 +28,67 @@ PATCH = (
 )
 
 
-def fetch_suite(dest: Path = SUITE_DIR) -> Path:
-    """Write timm's patched ``test_models.py`` for the installed timm version into ``dest``; return its path."""
-    target = dest / f"test_timm_models_{timm.__version__.replace('.', '_')}.py"
-    if target.exists():
-        return target
+def cache_file() -> Path:
+    root = Path(os.environ.get("COLLAB_VIT_CACHE") or Path.home() / ".cache" / "collab-vit")
+    return root / "timm-tests" / f"timm-{timm.__version__}-test_models.py"
+
+
+def download_upstream_source() -> str:
+    """timm's ``tests/test_models.py`` for the installed version, from its sdist on PyPI (raises when offline)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                "--dest", tmp, f"timm=={timm.__version__}"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"could not fetch timm {timm.__version__} sdist: {result.stderr.strip()[-500:]}")
+            last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise RuntimeError(f"could not fetch timm {timm.__version__} sdist: {last}")
         (sdist,) = Path(tmp).glob("timm-*.tar.gz")
         with tarfile.open(sdist) as archive:
             member = next(m for m in archive.getmembers() if m.name.endswith("/tests/test_models.py"))
-            source = archive.extractfile(member).read().decode()
+            return archive.extractfile(member).read().decode()
+
+
+def fetch_suite(dest: Path = SUITE_DIR) -> tuple[Optional[Path], str]:
+    """Write timm's patched ``test_models.py`` into ``dest``: ``(path, '')``, or ``(None, reason)`` when it cannot be
+    had (offline with no cache). The unpatched source is cached, so the download happens once per timm version."""
+    target = dest / f"test_timm_models_{timm.__version__.replace('.', '_')}.py"
+    if target.exists():
+        return target, ""
+    cached = cache_file()
+    if not cached.exists():
+        try:
+            source = download_upstream_source()
+        except (RuntimeError, OSError, subprocess.SubprocessError, StopIteration) as error:
+            return None, f"{error} (offline, and no cached copy at {cached})"
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(".partial")
+        partial.write_text(source)
+        partial.replace(cached)
+    source = cached.read_text()
     if ANCHOR not in source:
-        raise RuntimeError(f"timm {timm.__version__} test_models.py changed: anchor {ANCHOR!r} not found")
+        return None, f"timm {timm.__version__} test_models.py changed: anchor {ANCHOR!r} not found"
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "__init__.py").touch()
     partial = target.with_suffix(".partial")
     partial.write_text(source.replace(ANCHOR, PATCH + ANCHOR, 1))
     partial.replace(target)
-    return target
+    return target, ""
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub (timm's pretrained weights) answers: ``test_model_load_pretrained`` needs it."""
+    import socket
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def remove_stale_suites(keep: Optional[Path], dest: Path = SUITE_DIR) -> None:
+    """Suites of other timm versions would run against the installed timm: remove them."""
+    if dest.exists():
+        for path in dest.glob("test_timm_models_*.py"):
+            if path != keep:
+                path.unlink()
+        shutil.rmtree(dest / "__pycache__", ignore_errors=True)
