@@ -13,13 +13,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..weights_io import read_weights
+from ..weights_io import WeightsError, read_weights
 from .config import parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .errors import ConfigError, DataError
 from .loops import autocast_context, evaluate
-from .model_factory import build_model
+from .model_factory import build_model, fit_state
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -61,9 +61,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 1000
         img_size = args.img_size or kwargs.pop('img_size', None)
         kwargs.pop('img_size', None)
-        model = build_model(name, num_classes, img_size, 0.0, kwargs)
+        try:
+            model = build_model(name, num_classes, img_size, 0.0, kwargs)
+        except ConfigError as e:
+            if meta.get('model_name') and not args.model:  # the name and keywords came from the file
+                raise ConfigError(f'{e} (as recorded in the metadata of {os.path.abspath(args.checkpoint)})') \
+                    from None
+            raise
         if state:
-            model.load_state_dict(state, strict=True)
+            model.load_state_dict(fit_state(model, state, args.checkpoint,
+                                            conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
         model.to(dist_info.device)
 
         data_cfg = meta.get('data_config')
@@ -90,9 +97,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2."""
+    from .trainer import one_line
     try:
         run(parse_args(argv))
-    except (ConfigError, DataError, FileNotFoundError) as e:
-        print(f'error: {e}', file=sys.stderr)
+    except (ConfigError, DataError, WeightsError, FileNotFoundError) as e:
+        print(f'error: {one_line(e)}', file=sys.stderr)
         return 2
     return 0
