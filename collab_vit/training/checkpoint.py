@@ -30,9 +30,9 @@ from ..weights_io import WeightsError, atomic_write, remove_stale_temps, torch_l
 from .errors import ConfigError
 
 RESULT_FILES = ('last.pth', 'log.jsonl', 'model.safetensors', 'best.pth')
-# what a run directory may hold besides results: this package's files, the Slurm scripts' logs/, wandb's folder
+# what a run directory may hold besides hidden files: this package's files, the Slurm scripts' logs/, wandb's folder
 RUN_FILES = re.compile(r'^(config\.yaml|log\.jsonl|STOP|logs|wandb|(last|best|epoch_\d+)\.pth|'
-                       r'model(_ema)?\.safetensors|\..+\.tmp)$')
+                       r'model(_ema)?\.safetensors)$')
 WRITTEN_FILES = ('last.pth', 'best.pth', 'epoch_', 'log.jsonl', 'config.yaml', 'model.safetensors',
                  'model_ema.safetensors')
 # config keys that make a run what it is: another value means another run (other keys may change on resume)
@@ -117,7 +117,7 @@ def check_run_dir(output: str, resume: bool, config: Dict[str, Any]) -> None:
                           f'pass --resume to continue it or --output NEW_DIR')
     if not os.path.isdir(output):
         return
-    foreign = sorted(f for f in os.listdir(output) if not RUN_FILES.match(f))
+    foreign = sorted(f for f in os.listdir(output) if not (f.startswith('.') or RUN_FILES.match(f)))
     if foreign:
         raise ConfigError(f'output directory {path} holds files that are not from a run ({", ".join(foreign[:3])}'
                           f'{" ..." if len(foreign) > 3 else ""}): choose an empty or new --output')
