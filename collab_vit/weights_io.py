@@ -40,6 +40,7 @@ def atomic_write(path: str, write_fn) -> None:
     fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix=TEMP_SUFFIX, dir=directory)
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 would make results unreadable to a group
         write_fn(tmp)
         with open(tmp, 'rb') as f:
             os.fsync(f.fileno())
@@ -58,6 +59,13 @@ def atomic_write(path: str, write_fn) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def remove_stale_temps(directory: str, prefixes: Iterable[str]) -> List[str]:

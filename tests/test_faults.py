@@ -256,3 +256,14 @@ def test_digits_written_once_into_a_new_or_empty_folder(tmp_path):
         (tmp_path / 'file').write_text('x')
         ensure_digits(str(tmp_path / 'file'))
 
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    """atomic_write and the digits writer stage through mkstemp/mkdtemp (0600/0700); the results must get the
+    permissions a plain open/makedirs gives, so that a group can read a run's checkpoints."""
+    from collab_vit.weights_io import atomic_write, current_umask
+    mask = current_umask()
+    atomic_write(str(tmp_path / 'a.txt'), lambda tmp: open(tmp, 'w').write('x'))
+    assert (tmp_path / 'a.txt').stat().st_mode & 0o777 == 0o666 & ~mask
+    ensure_digits(str(tmp_path / 'digits'), size=8)
+    assert (tmp_path / 'digits').stat().st_mode & 0o777 == 0o777 & ~mask

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 from PIL import Image
 
+from ..weights_io import current_umask
 from .errors import DataError
 
 DIGITS_SIZE = 32  # pixels per side of the written images (upsampled from 8x8)
@@ -53,6 +54,7 @@ def ensure_digits(root: str, size: int = DIGITS_SIZE) -> str:
     staging = tempfile.mkdtemp(prefix='.' + os.path.basename(os.path.abspath(root)) + '.', suffix='.partial',
                                dir=parent)
     try:
+        os.chmod(staging, 0o777 & ~current_umask())  # as os.makedirs would create it, not mkdtemp's 0700
         for i, (image, label) in enumerate(zip(digits.images, digits.target)):
             split = 'val' if i % VAL_EVERY == 0 else 'train'
             folder = os.path.join(staging, split, str(int(label)))
