@@ -250,7 +250,7 @@ RANGES: Tuple[Tuple[str, float, Optional[float], bool], ...] = (
     ('warmup_epochs', 0, None, False), ('weight_decay', 0.0, None, False), ('clip_grad', 0.0, None, False),
     ('drop_path', 0.0, 1.0, False), ('smoothing', 0.0, 1.0, False), ('reprob', 0.0, 1.0, False),
     ('hflip', 0.0, 1.0, False), ('mixup', 0.0, None, False), ('cutmix', 0.0, None, False),
-    ('mixup_prob', 0.0, 1.0, False), ('crop_pct', 0.0, 1.0, True), ('model_ema_decay', 0.0, 1.0, False),
+    ('mixup_prob', 0.0, 1.0, False), ('crop_pct', 0.0, None, True), ('model_ema_decay', 0.0, 1.0, False),
     ('repeated_aug', 0, None, False), ('checkpoint_every', 0, None, False), ('eval_every', 0, None, False),
     ('stop_after', 0, None, False), ('max_nonfinite_skips', 1, None, False),
 )
