@@ -123,10 +123,14 @@ def test_auto_resume_starts_then_resumes(tiny_data, tmp_path):
     assert second['top1'] is not None and load_checkpoint(os.path.join(out, 'last.pth'))['epoch'] == 1
 
 
-def test_resume_and_auto_resume_together_is_an_error(tiny_data, tmp_path, capsys):
+def test_resume_wins_over_auto_resume(tiny_data, tmp_path, capsys):
+    """Both flags (e.g. --auto-resume in a Slurm job's arguments, whose requeue adds --resume): --resume's rule,
+    last.pth must exist."""
     flags = to_flags(tiny_overrides(tiny_data, str(tmp_path / 'run'))) + ['--resume', '--auto-resume']
     assert main(flags) == 2
-    assert "'resume' and 'auto_resume' both set" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err == f'error: --resume: no last.pth in run directory {tmp_path / "run"} (use --auto-resume to start ' \
+                  f'when there is none)'
     assert not (tmp_path / 'run').exists()
 
 

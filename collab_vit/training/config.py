@@ -91,7 +91,7 @@ class TrainConfig:
     cpu_threads: int = 0  # torch intra-op threads per process; 0 = torch's default
     output: str = ''  # run directory; '' = runs/<config name>
     resume: bool = False
-    auto_resume: bool = False  # resume when <output>/last.pth exists, else start (restarts with the same command)
+    auto_resume: bool = False  # resume when <output>/last.pth exists, else start (with resume too: resume's rule)
     checkpoint_every: int = 0  # also keep epoch_XXXX.pth every N epochs; 0 disables
     eval_every: int = 1
     stop_after: int = 0  # leave after this many epochs in this invocation (pre-emptible jobs); 0 = run to the end
@@ -277,9 +277,6 @@ def check_values(cfg: TrainConfig, where: str) -> None:
         raise ConfigError(f"bad value {cfg.amp_dtype!r} for 'amp_dtype' in {where} (expected bfloat16 or float16)")
     if 'key_dim' in cfg.model_kwargs:
         check_key_dim_value(cfg.model_kwargs['key_dim'], where)
-    if cfg.resume and cfg.auto_resume:
-        raise ConfigError(f"'resume' and 'auto_resume' both set in {where}: use one (auto_resume starts a new run "
-                          f"when there is no last.pth)")
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:
