@@ -7,20 +7,36 @@ interrupted it, else 0), ``step`` (optimizer updates so far), ``best_top1``, ``b
 rank: the state at the start of the next epoch, or of the interrupted one), ``rng_at_stop`` (only when interrupted:
 the states at the stop), ``config`` (resolved config dict), ``model_name``, ``model_kwargs``, ``data_config`` and
 ``metrics``.
+
+Crash safety: every file is written atomically, and ``last.pth`` is the commit point of an epoch: it is written
+first, then ``best.pth``, ``epoch_NNNN.pth`` and the ``log.jsonl`` record, which :func:`repair_run_dir` re-derives
+from ``last.pth`` when a run killed between those writes is resumed. Temp files of writes cut short by a kill are
+removed at the next start (:func:`prepare_run_dir`).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
-from typing import Any, Dict, List
+import re
+import shutil
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+import yaml
 
-from ..weights_io import atomic_write
+from ..weights_io import WeightsError, atomic_write, remove_stale_temps, torch_load
 from .errors import ConfigError
 
 RESULT_FILES = ('last.pth', 'log.jsonl', 'model.safetensors', 'best.pth')
+# what a run directory may hold besides hidden files: this package's files, the Slurm scripts' logs/, wandb's folder
+RUN_FILES = re.compile(r'^(config\.yaml|log\.jsonl|STOP|logs|wandb|(last|best|epoch_\d+)\.pth|'
+                       r'model(_ema)?\.safetensors)$')
+WRITTEN_FILES = ('last.pth', 'best.pth', 'epoch_', 'log.jsonl', 'config.yaml', 'model.safetensors',
+                 'model_ema.safetensors')
+# config keys that make a run what it is: another value means another run (other keys may change on resume)
+IDENTITY_KEYS = ('model', 'model_kwargs', 'num_classes', 'img_size', 'in_chans')
 
 
 def save_checkpoint(state: Dict[str, Any], path: str) -> None:
@@ -28,9 +44,21 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> None:
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def load_checkpoint(path: str, map_location: str | torch.device = 'cpu') -> Dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``)."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+def load_checkpoint(path: str, map_location: str | torch.device = 'cpu') -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``; a missing, truncated or unsafe
+    file is a one-line WeightsError)."""
+    return torch_load(str(path), map_location=map_location)
+
+
+def load_training_checkpoint(path: str) -> Dict[str, Any]:
+    """:func:`load_checkpoint` of a checkpoint to resume from; one that lacks the training state is a WeightsError."""
+    obj = load_checkpoint(path)
+    needed = ('model', 'optimizer', 'scheduler', 'epoch', 'step', 'best_top1', 'best_epoch', 'rng')
+    missing = [k for k in needed if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise WeightsError(f'{os.path.abspath(path)} is not a training checkpoint of this package '
+                           f'(no {", ".join(missing)})')
+    return obj
 
 
 def rng_state() -> Dict[str, Any]:
@@ -61,13 +89,119 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state['cuda']])
 
 
-def prepare_run_dir(output: str, resume: bool) -> None:
-    """Create the run directory; refuse to reuse one that already holds results unless resuming."""
-    existing: List[str] = [f for f in RESULT_FILES if os.path.exists(os.path.join(output, f))]
+def _identity(config: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: config.get(k) for k in IDENTITY_KEYS}
+
+
+def identity_difference(recorded: Dict[str, Any], config: Dict[str, Any]) -> Optional[str]:
+    """How the run recorded in ``recorded`` (a config dict) differs from ``config`` in what makes a run, or None."""
+    a, b = _identity(recorded), _identity(config)
+    diffs = [f'{k}: {a[k]!r} there, {b[k]!r} now' for k in IDENTITY_KEYS if a[k] != b[k]]
+    return '; '.join(diffs) or None
+
+
+def check_run_dir(output: str, resume: bool, config: Dict[str, Any]) -> None:
+    """Refuse, without writing anything, a run directory this run must not write into: one without ``last.pth``
+    when resuming, one that holds results (without resuming), files that are not a run's, or another run's config."""
+    path = os.path.abspath(output)
     if resume:
         if not os.path.isfile(os.path.join(output, 'last.pth')):
-            raise ConfigError(f'--resume: no last.pth in run directory {os.path.abspath(output)}')
-    elif existing:
-        raise ConfigError(f'run directory {os.path.abspath(output)} already holds results ({existing[0]}); '
+            raise ConfigError(f'--resume: no last.pth in run directory {path} (use --auto-resume to start when '
+                              f'there is none)')
+        return
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f'output {path} is a file, not a directory')
+    existing: List[str] = [f for f in RESULT_FILES if os.path.exists(os.path.join(output, f))]
+    if existing:
+        raise ConfigError(f'run directory {path} already holds results ({existing[0]}); '
                           f'pass --resume to continue it or --output NEW_DIR')
+    if not os.path.isdir(output):
+        return
+    foreign = sorted(f for f in os.listdir(output) if not (f.startswith('.') or RUN_FILES.match(f)))
+    if foreign:
+        raise ConfigError(f'output directory {path} holds files that are not from a run ({", ".join(foreign[:3])}'
+                          f'{" ..." if len(foreign) > 3 else ""}): choose an empty or new --output')
+    config_file = os.path.join(output, 'config.yaml')
+    if os.path.isfile(config_file):
+        try:
+            with open(config_file) as f:
+                recorded = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            recorded = None
+        if not isinstance(recorded, dict):
+            raise ConfigError(f'output directory {path} has a config.yaml that is not a run config: choose an '
+                              f'empty or new --output')
+        difference = identity_difference(recorded, config)
+        if difference:
+            raise ConfigError(f'output directory {path} holds another run ({difference}): choose another --output')
+
+
+def check_same_run(ckpt: Dict[str, Any], config: Dict[str, Any], path: str) -> None:
+    """A checkpoint to resume must come from a run of the same model (IDENTITY_KEYS); ConfigError otherwise."""
+    difference = identity_difference(ckpt.get('config') or {}, config)
+    if difference:
+        raise ConfigError(f'{os.path.abspath(path)} is from another run ({difference}): resume it with its own '
+                          f'config, or choose another --output')
+
+
+def prepare_run_dir(output: str) -> List[str]:
+    """Create the run directory (checked first by :func:`check_run_dir`) and remove the temp files that a writer
+    killed mid-write left there; returns the removed paths."""
     os.makedirs(output, exist_ok=True)
+    return remove_stale_temps(output, WRITTEN_FILES)
+
+
+def _log_records(path: str) -> List[Dict[str, Any]]:
+    records = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    continue
+    return records
+
+
+def repair_run_dir(output: str, ckpt: Dict[str, Any], checkpoint_every: int) -> List[str]:
+    """Make the files derived from ``last.pth`` agree with it after a kill between the writes of an epoch's end:
+    ``log.jsonl`` keeps one record per finished epoch up to the checkpoint's (re-adding its record, dropping later or
+    cut-short lines), and ``best.pth`` / ``epoch_NNNN.pth`` of that epoch are copied from ``last.pth`` when missing.
+    Returns what was changed (for the log)."""
+    changed = []
+    epoch, at_boundary = ckpt['epoch'], not ckpt.get('batches_done', 0)
+    log_path = os.path.join(output, 'log.jsonl')
+    records = [r for r in _log_records(log_path) if isinstance(r, dict) and isinstance(r.get('epoch'), int)]
+    kept = [r for r in records if r['epoch'] <= epoch]
+    metrics = ckpt.get('metrics') or {}
+    if at_boundary and epoch >= 0 and metrics.get('epoch') == epoch and not any(r['epoch'] == epoch for r in kept):
+        kept.append(metrics)
+    text = ''.join(json.dumps(r) + '\n' for r in kept)
+    current = ''
+    if os.path.isfile(log_path):
+        with open(log_path) as f:
+            current = f.read()
+    if text != current and (kept or current):
+        def write(tmp: str) -> None:
+            with open(tmp, 'w') as f:
+                f.write(text)
+        atomic_write(log_path, write)
+        changed.append(f'log.jsonl ({len(kept)} epoch records)')
+    if not at_boundary or epoch < 0:
+        return changed
+    last = os.path.join(output, 'last.pth')
+    wanted = []
+    if ckpt.get('best_epoch') == epoch:
+        wanted.append('best.pth')
+    if checkpoint_every and (epoch + 1) % checkpoint_every == 0:
+        wanted.append(f'epoch_{epoch:04d}.pth')
+    for name in wanted:
+        path = os.path.join(output, name)
+        try:
+            have = torch_load(path, mmap=True)['epoch'] if os.path.isfile(path) else None
+        except (WeightsError, KeyError, TypeError):
+            have = None
+        if have != epoch:
+            atomic_write(path, lambda tmp: shutil.copyfile(last, tmp))
+            changed.append(name)
+    return changed

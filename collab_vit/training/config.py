@@ -39,6 +39,7 @@ class TrainConfig:
     mean: Tuple[float, ...] = ()  # per-channel normalisation; () = the model's default (ImageNet)
     std: Tuple[float, ...] = ()
     num_workers: int = 8
+    skip_bad_images: bool = False  # replace an unreadable/truncated image by the next one and count it (default: stop)
     pin_memory: bool = True
     persistent_workers: bool = True
     # augmentation
@@ -76,6 +77,8 @@ class TrainConfig:
     warmup_lr: float = 1e-6
     min_lr: float = 1e-5
     sched_on_updates: bool = False
+    skip_nonfinite_loss: bool = False  # skip (and count) a batch whose loss is NaN/inf instead of stopping the run
+    max_nonfinite_skips: int = 5  # with skip_nonfinite_loss: stop when this many batches in a row were skipped
     # model EMA
     model_ema: bool = True
     model_ema_decay: float = 0.99996
@@ -89,6 +92,7 @@ class TrainConfig:
     cpu_threads: int = 0  # torch intra-op threads per process; 0 = torch's default
     output: str = ''  # run directory; '' = runs/<config name>
     resume: bool = False
+    auto_resume: bool = False  # resume when <output>/last.pth exists, else start (with resume too: resume's rule)
     checkpoint_every: int = 0  # also keep epoch_XXXX.pth every N epochs; 0 disables
     eval_every: int = 1
     stop_after: int = 0  # leave after this many epochs in this invocation (pre-emptible jobs); 0 = run to the end
@@ -133,12 +137,18 @@ def _coerce(name: str, value: Any, where: str) -> Any:
                 return bool(value)
             raise ValueError(value)
         if isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(value)
             return float(value)
         if isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             return int(value)
         if isinstance(default, str):
+            if isinstance(value, (list, tuple, dict, set)):
+                raise ValueError(value)
             return '' if value is None else str(value)
         if isinstance(default, tuple):
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
@@ -182,7 +192,13 @@ def read_yaml(path: str, _seen: Tuple[str, ...] = ()) -> Dict[str, Any]:
 
 def build_config(path: Optional[str] = None, overrides: Optional[Dict[str, Any]] = None) -> TrainConfig:
     """Resolve a config: dataclass defaults <- YAML chain at ``path`` <- ``overrides`` (dict-valued keys merge)."""
-    values = read_yaml(path) if path else {}
+    try:
+        values = read_yaml(path) if path else {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, 'problem_mark', None)
+        where = f' (line {mark.line + 1}, column {mark.column + 1})' if mark is not None else ''
+        raise ConfigError(f'cannot parse config file {os.path.abspath(path)}{where}: '
+                          f'{getattr(e, "problem", None) or type(e).__name__}') from None
     where = {key: path for key in values}
     for key, value in (overrides or {}).items():
         _check_key(key, 'overrides')
@@ -191,10 +207,49 @@ def build_config(path: Optional[str] = None, overrides: Optional[Dict[str, Any]]
         values[key], where[key] = value, 'command-line flags'
     kwargs = {k: _coerce(k, v, where[k]) for k, v in values.items()}
     cfg = TrainConfig(**kwargs)
+    check_values(cfg, path or 'overrides')
     if not cfg.output:
         name = os.path.splitext(os.path.basename(path))[0] if path else 'run'
         cfg.output = os.path.join('runs', name)
     return cfg
+
+
+# value ranges: (key, lowest allowed, highest allowed or None, lowest excluded?)
+RANGES: Tuple[Tuple[str, float, Optional[float], bool], ...] = (
+    ('num_classes', 1, None, False), ('img_size', 1, None, False), ('in_chans', 1, None, False),
+    ('epochs', 1, None, False), ('batch_size', 1, None, False), ('accum_steps', 1, None, False),
+    ('lr_base_batch', 1, None, False), ('num_workers', 0, None, False), ('cpu_threads', 0, None, False),
+    ('lr', 0.0, None, False), ('min_lr', 0.0, None, False), ('warmup_lr', 0.0, None, False),
+    ('warmup_epochs', 0, None, False), ('weight_decay', 0.0, None, False), ('clip_grad', 0.0, None, False),
+    ('drop_path', 0.0, 1.0, False), ('smoothing', 0.0, 1.0, False), ('reprob', 0.0, 1.0, False),
+    ('hflip', 0.0, 1.0, False), ('mixup', 0.0, None, False), ('cutmix', 0.0, None, False),
+    ('mixup_prob', 0.0, 1.0, False), ('crop_pct', 0.0, None, True), ('model_ema_decay', 0.0, 1.0, False),
+    ('repeated_aug', 0, None, False), ('checkpoint_every', 0, None, False), ('eval_every', 0, None, False),
+    ('stop_after', 0, None, False), ('max_nonfinite_skips', 1, None, False),
+)
+
+
+def check_key_dim_value(value: Any, where: str) -> None:
+    """``model_kwargs.key_dim``: a positive int or a list of them (one per block); its length is checked when the
+    model is built."""
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+        raise ConfigError(f"bad value {value!r} for 'model_kwargs.key_dim' in {where} (expected a positive integer "
+                          f"or a list of them, one per block)")
+
+
+def check_values(cfg: TrainConfig, where: str) -> None:
+    """Range checks of a typed config: one ConfigError naming the key, its value and the allowed range."""
+    for key, low, high, open_low in RANGES:
+        value = getattr(cfg, key)
+        if value < low or (open_low and value == low) or (high is not None and value > high):
+            bound = f'> {low}' if open_low else f'>= {low}'
+            bound += f' and <= {high}' if high is not None else ''
+            raise ConfigError(f"bad value {value!r} for '{key}' in {where} (expected a number {bound})")
+    if cfg.amp_dtype not in ('bfloat16', 'bf16', 'float16', 'fp16'):
+        raise ConfigError(f"bad value {cfg.amp_dtype!r} for 'amp_dtype' in {where} (expected bfloat16 or float16)")
+    if 'key_dim' in cfg.model_kwargs:
+        check_key_dim_value(cfg.model_kwargs['key_dim'], where)
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:

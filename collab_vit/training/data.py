@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Dict, Optional, Sequence
 
 import torch
-from timm.data import FastCollateMixup, Mixup, create_dataset, create_loader, resolve_data_config
+from PIL import Image
+from timm.data import FastCollateMixup, ImageDataset, Mixup, create_dataset, create_loader, resolve_data_config
+from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM, _search_split
 
 from .compat import patch_timm_posterize
 from .config import TrainConfig
 from .distributed import DistInfo
-from .errors import DataError
+from .errors import ConfigError, DataError
 from .preemption import EpochSeededSampler
 
 patch_timm_posterize()
@@ -28,22 +31,90 @@ def check_image_folder(root: str, split: str) -> None:
         raise DataError('no data directory given (set data_dir in the config or pass --data-dir DIR)')
     if not os.path.isdir(root):
         raise DataError(f'data directory not found: {os.path.abspath(root)}')
-    candidates = [split] + (['val'] if split == 'validation' else []) + (['validation'] if split == 'val' else [])
-    split_dir = next((os.path.join(root, s) for s in candidates if os.path.exists(os.path.join(root, s))), root)
+    split_dir = _search_split(root, split)  # where timm's create_dataset will look
     if os.path.isfile(split_dir) and split_dir.endswith('.tar'):
         return  # a tar archive of class folders, read by timm's tar reader
+    if split_dir == root:
+        synonyms = next((list(s) for s in (_TRAIN_SYNONYM, _EVAL_SYNONYM) if split.split('[')[0] in s), [split])
+        others = [s for s in (*_TRAIN_SYNONYM, *_EVAL_SYNONYM) if os.path.isdir(os.path.join(root, s))]
+        if others:  # root has split folders, just not this one: timm would read the whole root as this split
+            raise DataError(f"data directory {os.path.abspath(root)} has no '{split}' split folder (looked for "
+                            f"{', '.join(synonyms)}; found {', '.join(others)})")
     for _, _, files in os.walk(split_dir):
         if any(f.lower().endswith(IMG_EXTENSIONS) for f in files):
             return
     raise DataError(f'no images found in data directory: {os.path.abspath(split_dir)}')
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class CheckedImageDataset(ImageDataset):
+    """timm's ``ImageDataset`` where an unreadable or truncated image is a :class:`DataError` naming the file,
+    instead of timm's silent substitution of the next sample; with ``skip_bad`` it is replaced by the next readable
+    image, warned about once per process and counted (``skipped()``: distinct files, over all data-loader workers).
+    """
+
+    def enable_checks(self, skip_bad: bool) -> None:
+        self.skip_bad = skip_bad
+        self._bad = torch.zeros(len(self.reader), dtype=torch.uint8).share_memory_()  # shared with the workers
+        self._warned: set = set()
+
+    def skipped(self) -> int:
+        """How many distinct files were found unreadable and skipped so far."""
+        return int(self._bad.sum())
+
+    def _path(self, index: int) -> str:
+        name = self.reader.filename(index, absolute=True)
+        return os.path.abspath(name) if os.path.exists(name) else name
+
+    def __getitem__(self, index):
+        first = index
+        while True:
+            try:
+                img, target, *features = self.reader[index]
+                if self.load_bytes:
+                    img = img.read()
+                else:
+                    img = Image.open(img)
+                    img = img.convert(self.input_img_mode) if self.input_img_mode else img
+                    img.load()  # decode now, so a truncated file fails here, named
+                break
+            except (OSError, SyntaxError, ValueError) as e:  # PIL: unidentified, truncated or broken image data
+                path = self._path(index)
+                if not self.skip_bad:
+                    raise DataError(f'cannot read image {path}: {_first_line(e)} (set skip_bad_images: true to '
+                                    f'skip unreadable images)') from None
+                self._bad[index] = 1
+                if path not in self._warned:
+                    self._warned.add(path)
+                    print(f'warning: skipped unreadable image {path}: {_first_line(e)}', file=sys.stderr, flush=True)
+                index = (index + 1) % len(self.reader)
+                if index == first:
+                    raise DataError(f'no readable image in {os.path.abspath(getattr(self.reader, "root", ""))}') \
+                        from None
+        if self.transform is not None:
+            img = self.transform(img)
+        if target is None:
+            target = -1
+        elif self.target_transform is not None:
+            target = self.target_transform(target)
+        if self.additional_features is None:
+            return img, target
+        return img, target, *features
+
+
 def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_size: int = 1,
-                  seed: int = 0, repeats: int = 0, download: bool = False) -> torch.utils.data.Dataset:
+                  seed: int = 0, repeats: int = 0, download: bool = False,
+                  skip_bad_images: bool = False) -> torch.utils.data.Dataset:
     """One split via ``timm.data.create_dataset``; ImageFolder roots are checked first for a clear error.
 
     ``torch/fashion_mnist`` is read from ``root/FashionMNIST/raw`` (see :mod:`collab_vit.training.datasets` for getting
-    the files offline); ``download`` lets torchvision fetch a missing torch dataset.
+    the files offline); ``download`` lets torchvision fetch a missing torch dataset. Image-file datasets read through
+    :class:`CheckedImageDataset`: an unreadable image is an error naming it, or skipped and counted with
+    ``skip_bad_images``.
     """
     if dataset == 'torch/fashion_mnist' and not download:
         from .datasets import check_fashion_mnist
@@ -66,7 +137,31 @@ def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_
         n = None
     if n == 0:
         raise DataError(f'no images found in data directory: {os.path.abspath(root)} (split {split})')
+    if type(ds) is ImageDataset:
+        ds.__class__ = CheckedImageDataset  # same state, checked reads
+        ds.enable_checks(skip_bad_images)
     return ds
+
+
+def class_names(dataset) -> Optional[Dict[str, int]]:
+    """The class-folder -> index map of an ImageFolder / tar dataset (None for readers without one)."""
+    return getattr(getattr(dataset, 'reader', None), 'class_to_idx', None)
+
+
+def check_classes(train_set, val_set, root: str, num_classes: int) -> None:
+    """Train and val must hold the same class folders, and ``num_classes`` must be their number (DataError/
+    ConfigError naming the difference); datasets without a class map are not checked."""
+    train, val = class_names(train_set), class_names(val_set)
+    if train and val and set(train) != set(val):
+        parts = []
+        for where, names in (('train', sorted(set(train) - set(val))), ('val', sorted(set(val) - set(train)))):
+            if names:
+                parts.append(f'only in {where}: ' + ', '.join(names[:5]) + (' ...' if len(names) > 5 else ''))
+        raise DataError(f'class folders differ between the train and val splits of {os.path.abspath(root)} '
+                        f'({"; ".join(parts)})')
+    if train and len(train) != num_classes:
+        raise ConfigError(f'num_classes is {num_classes} but {os.path.abspath(root)} has {len(train)} classes: '
+                          f'set --num-classes {len(train)}')
 
 
 def eval_data_config(img_size: int, crop_pct: float, model: Optional[torch.nn.Module] = None, in_chans: int = 3,

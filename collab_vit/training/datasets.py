@@ -16,32 +16,63 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import tempfile
 from typing import Optional, Sequence
 
 import numpy as np
 from PIL import Image
 
+from ..weights_io import current_umask
 from .errors import DataError
 
 DIGITS_SIZE = 32  # pixels per side of the written images (upsampled from 8x8)
 VAL_EVERY = 5  # every 5th sample (in load_digits order) goes to val/: a fixed, deterministic 80/20 split
+DIGITS_MARKER = '.complete'  # written last: a directory holding it is this package's own digits set
+DIGITS_SIGNATURE = 'collab-vit sklearn digits'
 
 
 def ensure_digits(root: str, size: int = DIGITS_SIZE) -> str:
-    """Write ``root/{train,val}/<digit>/<index>.png`` unless already complete; returns ``root``."""
-    marker = os.path.join(root, '.complete')
+    """Write ``root/{train,val}/<digit>/<index>.png`` unless already complete; returns ``root``.
+
+    Only a missing or empty ``root`` is written to, and only all at once: the set is built in a hidden sibling folder
+    and renamed into place with its marker file. A ``root`` that holds anything else (a user's own ImageFolder given
+    as ``--data-dir`` with a config whose ``dataset`` is ``sklearn/digits``) is a DataError; nothing is written.
+    """
+    marker = os.path.join(root, DIGITS_MARKER)
     if os.path.isfile(marker):
         return root
+    if os.path.isdir(root) and os.listdir(root):
+        raise DataError(f"data directory {os.path.abspath(root)} is not empty and is not this package's digits set "
+                        f"(no {DIGITS_MARKER} marker): not writing the digits into it; for your own ImageFolder "
+                        f"pass --dataset '' (and --num-classes), or give an empty or new --data-dir")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f'data directory {os.path.abspath(root)} is a file, not a directory')
     from sklearn.datasets import load_digits
     digits = load_digits()
-    for i, (image, label) in enumerate(zip(digits.images, digits.target)):
-        split = 'val' if i % VAL_EVERY == 0 else 'train'
-        folder = os.path.join(root, split, str(int(label)))
-        os.makedirs(folder, exist_ok=True)
-        pixels = np.clip(image * (255.0 / 16.0), 0, 255).astype(np.uint8)  # digits are 0..16 grey levels
-        Image.fromarray(pixels, mode='L').resize((size, size), Image.BICUBIC).save(os.path.join(folder, f'{i:04d}.png'))
-    with open(marker, 'w') as f:
-        f.write(f'{len(digits.target)} images, {size}px, every {VAL_EVERY}th to val\n')
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix='.' + os.path.basename(os.path.abspath(root)) + '.', suffix='.partial',
+                               dir=parent)
+    try:
+        os.chmod(staging, 0o777 & ~current_umask())  # as os.makedirs would create it, not mkdtemp's 0700
+        for i, (image, label) in enumerate(zip(digits.images, digits.target)):
+            split = 'val' if i % VAL_EVERY == 0 else 'train'
+            folder = os.path.join(staging, split, str(int(label)))
+            os.makedirs(folder, exist_ok=True)
+            pixels = np.clip(image * (255.0 / 16.0), 0, 255).astype(np.uint8)  # digits are 0..16 grey levels
+            Image.fromarray(pixels, mode='L').resize((size, size), Image.BICUBIC).save(
+                os.path.join(folder, f'{i:04d}.png'))
+        with open(os.path.join(staging, DIGITS_MARKER), 'w') as f:
+            f.write(f'{DIGITS_SIGNATURE}: {len(digits.target)} images, {size}px, every {VAL_EVERY}th to val\n')
+        os.replace(staging, root)  # atomic; an empty directory at root is replaced too
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if os.path.isfile(marker):  # another process finished first
+            return root
+        raise DataError(f'cannot write the digits data set to {os.path.abspath(root)}: {e}') from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return root
 
 FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte', 't10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte')

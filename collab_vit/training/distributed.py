@@ -39,8 +39,29 @@ def init_distributed(device: str = '') -> DistInfo:
     else:
         dev = torch.device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend='nccl' if dev.type == 'cuda' else 'gloo', init_method='env://')
+        backend = 'nccl' if dev.type == 'cuda' else 'gloo'
+        store = _elastic_store(world_size)
+        if store is None:
+            dist.init_process_group(backend=backend, init_method='env://')
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def _elastic_store(world_size: int):
+    """torchrun's agent store with this attempt's key prefix, or None outside torchrun.
+
+    torchrun keeps one store (the same ``MASTER_PORT``) across ``--max-restarts`` attempts, and ``env://`` uses it
+    without a prefix, so the workers of a restarted group read the addresses the dead attempt published and cannot
+    connect (gloo: "connectFullMesh failed ... Connection refused", or a hang). Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt its own namespace (what torch did before 2.x's agent store).
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or 'TORCHELASTIC_RESTART_COUNT' not in os.environ:
+        return None
+    from torch.distributed.constants import default_pg_timeout
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False,
+                          timeout=default_pg_timeout)
+    return dist.PrefixStore(f"collab_vit/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def cleanup_distributed() -> None:

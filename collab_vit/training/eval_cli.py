@@ -13,13 +13,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..weights_io import read_weights
+from ..weights_io import WeightsError, read_weights
 from .flags import parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .errors import ConfigError, DataError
 from .loops import autocast_context, evaluate
-from .model_factory import build_model
+from .model_factory import build_model, fit_state
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,9 +87,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         kwargs.pop('img_size', None)
         if args.in_chans:
             kwargs['in_chans'] = args.in_chans
-        model = build_model(name, num_classes, img_size, 0.0, kwargs)
+        try:
+            model = build_model(name, num_classes, img_size, 0.0, kwargs)
+        except ConfigError as e:
+            if meta.get('model_name') and not args.model:  # the name and keywords came from the file
+                raise ConfigError(f'{e} (as recorded in the metadata of {os.path.abspath(args.checkpoint)})') \
+                    from None
+            raise
         if state:
-            model.load_state_dict(state, strict=True)
+            model.load_state_dict(fit_state(model, state, args.checkpoint,
+                                            conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
         model.to(dist_info.device)
 
         data_cfg = meta.get('data_config')
@@ -121,9 +128,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2."""
+    from .trainer import one_line
     try:
         run(parse_args(argv))
-    except (ConfigError, DataError, FileNotFoundError) as e:
-        print(f'error: {e}', file=sys.stderr)
+    except (ConfigError, DataError, WeightsError, FileNotFoundError) as e:
+        print(f'error: {one_line(e)}', file=sys.stderr)
         return 2
     return 0

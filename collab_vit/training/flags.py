@@ -39,6 +39,8 @@ GROUPS: Dict[str, Dict[str, str]] = {
         'num_workers': 'data-loader worker processes per training process',
         'pin_memory': 'pin host memory for faster GPU copies',
         'persistent_workers': 'keep data-loader workers alive between epochs',
+        'skip_bad_images': 'replace an unreadable or truncated image by the next one and count it (default: stop, '
+                           'naming the file)',
     },
     'augmentation': {
         'aa': "auto-augment policy, e.g. rand-m9-mstd0.5-inc1 (RandAugment); '' disables",
@@ -71,6 +73,8 @@ GROUPS: Dict[str, Dict[str, str]] = {
         'momentum': 'SGD momentum',
         'clip_grad': 'gradient clipping threshold; 0 disables',
         'clip_mode': 'gradient clipping mode: norm, value or agc',
+        'skip_nonfinite_loss': 'skip (and count) a batch whose loss is NaN/inf instead of stopping the run',
+        'max_nonfinite_skips': 'with skip_nonfinite_loss: stop after this many skipped batches in a row',
     },
     'scheduler': {
         'sched': 'learning-rate schedule (timm: cosine, step, plateau, ...)',
@@ -95,6 +99,7 @@ GROUPS: Dict[str, Dict[str, str]] = {
     'run, checkpoints and logging': {
         'output': "run directory; '' = runs/<config name>",
         'resume': 'continue the run in --output from its last.pth (optimizer, schedule, EMA, RNG, data order)',
+        'auto_resume': 'resume when <output>/last.pth exists, else start (torchrun --max-restarts, requeues)',
         'checkpoint_every': 'also keep epoch_NNNN.pth every N epochs; 0 disables',
         'eval_every': 'evaluate every N epochs (and always after the last)',
         'stop_after': 'leave after this many epochs in this invocation (continue with --resume); 0 = run to the end',

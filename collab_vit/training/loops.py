@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from typing import Any, Callable, Dict, Optional
@@ -14,6 +15,20 @@ from tqdm import tqdm
 
 from .distributed import DistInfo, all_reduce_sum
 from .preemption import StopRequest
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf (or too many such batches in a row were skipped); one-line message."""
+
+
+def _nonfinite_on_any_rank(loss_value: float, device: torch.device) -> bool:
+    """True on every rank when the loss of any rank is NaN/inf, so that all ranks skip or stop together."""
+    bad = not math.isfinite(loss_value)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        bad = bool(flag.item())
+    return bad
 
 
 def autocast_context(device: torch.device, amp: bool, amp_dtype: str) -> Callable[[], Any]:
@@ -49,12 +64,19 @@ def train_one_epoch(
         progress: bool = True,
         stop_request: Optional[StopRequest] = None,
         log_interval: int = 50,
+        skip_nonfinite: bool = False,
+        max_nonfinite_skips: int = 5,
 ) -> tuple[Dict[str, float], int]:
     """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far).
 
     With ``stop_request``, all ranks leave together after the first optimizer update at which a stop was asked for;
     the metrics then say ``stopped: True`` and ``batches`` counts the batches trained in this pass. Progress (rank
     0, ``progress``): a tqdm bar on a terminal, else one plain line every ``log_interval`` updates.
+
+    A NaN/inf loss (on any rank) raises :class:`NonFiniteLossError` naming the epoch and update, before its backward
+    pass, so the weights stay as they were after the last good update. With ``skip_nonfinite`` the batch gets no
+    backward pass and its accumulation window no optimizer update (``nonfinite_skipped`` counts such batches); more
+    than ``max_nonfinite_skips`` of them in a row still stop the run.
     """
     model.train()
     device = dist_info.device
@@ -62,6 +84,8 @@ def train_one_epoch(
     num_batches = len(loader)
     samples = batches = 0
     stopped = False
+    skipped = in_a_row = 0
+    window_skipped = False  # a batch of the current accumulation window was skipped: no update for this window
     start = time.perf_counter()
     show = progress and dist_info.is_main
     lines = show and not on_terminal()
@@ -77,16 +101,34 @@ def train_one_epoch(
         with (contextlib.nullcontext() if sync else model.no_sync()):
             with autocast():
                 loss = loss_fn(model(images), targets)
-            if loss_scaler is not None:
-                loss_scaler(loss / accum_steps, optimizer, clip_grad=clip_grad or None, clip_mode=clip_mode,
-                            parameters=model.parameters(), need_update=need_update)
+            loss_value = loss.item()
+            nonfinite = _nonfinite_on_any_rank(loss_value, device)
+            if nonfinite:
+                skipped += 1
+                in_a_row += 1
+                where = f'epoch {epoch}, update {num_updates + 1} (batch {i + 1} of {num_batches} in this pass)'
+                if not skip_nonfinite or in_a_row > max_nonfinite_skips:
+                    bar.close()
+                    why = (f'{in_a_row} batches in a row with a non-finite loss, the last at {where} '
+                           f'(max_nonfinite_skips {max_nonfinite_skips})') if skip_nonfinite else \
+                        f'non-finite loss ({loss_value}) at {where}'
+                    raise NonFiniteLossError(why)
+                window_skipped = True
             else:
-                (loss / accum_steps).backward()
-                if need_update:
-                    if clip_grad:
-                        dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
-                    optimizer.step()
-        if need_update:
+                in_a_row = 0
+                if loss_scaler is not None:
+                    loss_scaler(loss / accum_steps, optimizer, clip_grad=clip_grad or None, clip_mode=clip_mode,
+                                parameters=model.parameters(), need_update=need_update and not window_skipped)
+                else:
+                    (loss / accum_steps).backward()
+                    if need_update and not window_skipped:
+                        if clip_grad:
+                            dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
+                        optimizer.step()
+        if need_update and window_skipped:
+            optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
+            window_skipped = False
+        elif need_update:
             optimizer.zero_grad(set_to_none=True)
             num_updates += 1
             if model_ema is not None:
@@ -94,7 +136,8 @@ def train_one_epoch(
                                  step=num_updates)
             if scheduler is not None and sched_on_updates:
                 scheduler.step_update(num_updates=num_updates)
-        loss_meter.update(loss.item(), images.shape[0])
+        if not nonfinite:
+            loss_meter.update(loss_value, images.shape[0])
         samples += images.shape[0]
         batches += 1
         bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f"{optimizer.param_groups[0]['lr']:.2e}")
@@ -112,7 +155,8 @@ def train_one_epoch(
     totals = all_reduce_sum(torch.tensor([loss_meter.sum, loss_meter.count, samples], dtype=torch.float64,
                                          device=device)).tolist()
     metrics = {'train_loss': totals[0] / max(totals[1], 1), 'lr': optimizer.param_groups[0]['lr'],
-               'img_per_s': totals[2] / elapsed, 'train_time': elapsed, 'batches': batches, 'stopped': stopped}
+               'img_per_s': totals[2] / elapsed, 'train_time': elapsed, 'batches': batches, 'stopped': stopped,
+               'nonfinite_skipped': skipped}
     return metrics, num_updates
 
 
