@@ -11,7 +11,7 @@ import argparse
 import statistics
 import time
 from contextlib import nullcontext
-from typing import Callable
+from typing import Callable, Optional
 from unittest import mock
 
 import torch
@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from collab_vit import CollaborativeAttention
 from collab_vit.layers import attention
-from collab_vit.layers.attention_core import CollaborativeCore, sdpa_recomputing
+from collab_vit.layers.attention_core import CollaborativeCore, equal_head_dims
 from measure import saved_activation_bytes
 
 B, H, N, D = 16, 12, 197, 64
@@ -46,6 +46,37 @@ def math_sdpa(q, mixing, k, v, mask, scale):
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q.unsqueeze(1) * mixing.unsqueeze(1), k.unsqueeze(1).expand(-1, H, -1, -1),
                                               v, attn_mask=mask, scale=scale)
+
+
+# The path before CollaborativeCore (removed from the package), kept here to compare against.
+def sdpa_recomputing(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     attn_mask: Optional[torch.Tensor], is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """SDPA on the mixed queries (eq. 5) under a saved-tensor hook: any device, dropout too.
+
+    SDPA saves its inputs for backward; the hook stores a recipe for the mixed queries (Nh x the shared ones) and any
+    padded copies instead, and recomputes them (one multiply or pad) in backward.
+    """
+    shared, weights, keys, values = q.detach(), mixing.detach(), k.detach(), v.detach()
+
+    def inputs(q_shared: torch.Tensor, m: torch.Tensor, k_shared: torch.Tensor, v_heads: torch.Tensor):
+        mixed = q_shared.unsqueeze(1) * m.unsqueeze(1)  # (B, Nh, N, D~k), eq. 5
+        k_heads = k_shared.unsqueeze(1).expand(-1, m.shape[0], -1, -1)
+        return equal_head_dims(mixed, k_heads, v_heads) if mixed.device.type == "cpu" else (mixed, k_heads, v_heads)
+
+    q_in, k_in, v_in = inputs(q, mixing, k, v)
+    recipes = {(t.data_ptr(), t.shape): i for i, t in enumerate((q_in, k_in, v_in)) if t.data_ptr() != v.data_ptr()}
+
+    def pack(tensor: torch.Tensor):
+        index = recipes.get((tensor.data_ptr(), tensor.shape))
+        return tensor if index is None else index
+
+    def unpack(packed):
+        return inputs(shared, weights, keys, values)[packed] if isinstance(packed, int) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = F.scaled_dot_product_attention(
+            q_in, k_in, v_in, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out[..., :v.shape[-1]]
 
 
 CORES = {
@@ -113,7 +144,7 @@ def layer_rows(repeats: int) -> list[str]:
 
 
 class PreviousCore:
-    """Stands in for ``CollaborativeCore`` in ``fused_attend_recomputing``: the path before it."""
+    """Stands in for ``CollaborativeCore`` in ``attention.core_attend``: the path before it."""
 
     @staticmethod
     def apply(q, mixing, k, v, mask, scale):

@@ -1,14 +1,20 @@
-"""The fast paths (SDPA, padded head dims, recomputed mixed queries, ``CollaborativeCore``) equal the explicit path."""
+"""The fast paths (``CollaborativeCore``, the folded SDPA layout, pinned or not, padded head dims) equal the explicit
+path, to second order; what they store for backward."""
 from __future__ import annotations
 
 import copy
+import gc
+import warnings
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.layers import attention_core
+from collab_vit.layers import attention, attention_core, sdpa_layout
 from collab_vit.layers.attention_core import CollaborativeCore, batch_chunks
+from collab_vit.layers.dispatch import Path
+from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys
 from measure import saved_activation_bytes
 
 DIM, HEADS, TOKENS = 48, 3, 9  # head dim 16
@@ -155,3 +161,158 @@ def test_batch_chunks_cover_the_batch_once() -> None:
     chunks = batch_chunks(16, 12, 197, 197)  # DeiT-B at batch 16: 1.86 MB of weights per sample
     assert [(c.start, c.stop) for c in chunks] == [(i, i + 2) for i in range(0, 16, 2)]
     assert batch_chunks(3, 3, 9, 9)[0] == slice(0, 3)  # small inputs: one chunk
+
+
+@pytest.mark.parametrize("key_dim", [6, 48])  # the core's flash and grouped-matmul forwards (head dim 16)
+@pytest.mark.parametrize("mask", ["none", "float"])
+def test_double_backward_matches_explicit(key_dim: int, mask: str) -> None:
+    """Second order through ``CollaborativeCore`` (issue 14, case 3): in float64, ``grad(grad(y, x,
+    create_graph=True).pow(2).sum(), (x, mask, parameters))`` equals the explicit path's."""
+    torch.manual_seed(0)
+    layer = CollaborativeAttention(DIM, HEADS, key_dim=key_dim, qkv_bias=True).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, TOKENS, DIM, dtype=torch.float64)
+    results = []
+    for fused in (True, False):
+        layer_copy = copy.deepcopy(layer)
+        layer_copy.fused_attn = fused
+        kwargs = layer_mask(mask)
+        inputs = [x.clone().requires_grad_(True)]
+        if "attn_mask" in kwargs:
+            kwargs["attn_mask"] = kwargs["attn_mask"].double().requires_grad_(True)
+            inputs.append(kwargs["attn_mask"])
+        y = layer_copy(inputs[0], **kwargs).pow(2).sum()
+        (first,) = torch.autograd.grad(y, inputs[0], create_graph=True)
+        second = torch.autograd.grad(first.pow(2).sum(), inputs + list(layer_copy.parameters()))
+        results.append([first, *second])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("key_dim", [6, 13, 30, 48])
+@pytest.mark.parametrize("with_content", [True, False])
+def test_folded_layout_is_eq5(key_dim: int, with_content: bool) -> None:
+    """``(q' diag(m'_i)) . k'`` of the folded layout is ``(q diag(m_i)) . k + c_i . x``, at widths padded to 8."""
+    torch.manual_seed(1)
+    q, k = torch.randn(2, TOKENS, key_dim, dtype=torch.float64), torch.randn(2, TOKENS, key_dim, dtype=torch.float64)
+    mixing = torch.randn(HEADS, key_dim, dtype=torch.float64)
+    content = torch.randn(2, TOKENS, HEADS, dtype=torch.float64)
+    q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content if with_content else None)
+    width = q_ext.shape[-1]
+    assert width % 8 == 0 and width - (key_dim + HEADS * with_content) < 8
+    assert m_ext.shape == (HEADS, width) and k_ext.shape == (2, TOKENS, width)
+    folded = head_queries(q_ext, m_ext) @ shared_keys(k_ext, HEADS).transpose(-2, -1)
+    expected = (q.unsqueeze(1) * mixing.unsqueeze(1)) @ k.unsqueeze(1).transpose(-2, -1)
+    if with_content:
+        expected = expected + content.transpose(1, 2).unsqueeze(2)
+    torch.testing.assert_close(folded, expected, rtol=1e-12, atol=1e-12)
+
+
+def force_path(monkeypatch, path: Path) -> None:
+    monkeypatch.setattr(attention, "select_path", lambda *args: path)
+
+
+@pytest.mark.parametrize("key_dim", [6, 30, 96])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+def test_folded_sdpa_matches_explicit(key_dim: int, mask: str, monkeypatch) -> None:
+    """The ``sdpa`` path (folded layout through SDPA) against the explicit path: outputs and every gradient."""
+    layer = random_layer(CollaborativeAttention, key_dim)
+    x = torch.randn(2, TOKENS, DIM)
+    explicit = outputs_and_grads(layer, x, fused=False, **layer_mask(mask))
+    force_path(monkeypatch, Path.SDPA)
+    for a, b in zip(outputs_and_grads(layer, x, fused=True, **layer_mask(mask)), explicit):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def collab_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("collab_vit")]
+
+
+def test_pinned_kernel_refusal_warns_once_then_runs_explicit(monkeypatch) -> None:
+    """An input the pinned kernel refuses is not left to a silent fallback: one warning naming the reason (here:
+    CPU flash needs equal head dims, 40 vs 16), then the explicit path, with its results."""
+    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
+    layer = random_layer(CollaborativeAttention, 30)
+    x = torch.randn(2, TOKENS, DIM)
+    explicit = outputs_and_grads(layer, x, fused=False)
+    force_path(monkeypatch, Path.SDPA_PINNED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = outputs_and_grads(layer, x, fused=True), outputs_and_grads(layer, x, fused=True)
+    messages = collab_warnings(caught)
+    assert len(messages) == 1 and "CPU flash needs equal query and value head dims, got 40 and 16" in messages[0]
+    for a, b, c in zip(first, second, explicit):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_pinned_kernel_recomputes_the_per_head_queries(amp: bool, monkeypatch) -> None:
+    """``sdpa-pinned`` on the CPU flash kernel (key dim 13 + 3 heads = 16 = the value head dim): autograd does not
+    keep the (B, heads, N, 16) queries (their storage is freed after forward), backward recomputes them, and the
+    results equal the explicit path. Under bfloat16 autocast too: no cast copy escapes the hook."""
+    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
+    layer = random_layer(CollaborativeAttention, 13)
+    x = torch.randn(2, TOKENS, DIM)
+    explicit = outputs_and_grads(layer, x, fused=False)
+    force_path(monkeypatch, Path.SDPA_PINNED)
+    built = []
+    original = sdpa_layout.head_queries
+
+    def spy(q_ext: torch.Tensor, m_ext: torch.Tensor) -> torch.Tensor:
+        queries = original(q_ext, m_ext)
+        built.append(StorageWeakRef(queries.untyped_storage()))
+        return queries
+
+    monkeypatch.setattr(sdpa_layout, "head_queries", spy)
+    train = copy.deepcopy(layer).train()
+    x_grad = x.clone().requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        warnings.simplefilter("always")
+        out = train(x_grad)
+    gc.collect()
+    assert len(built) == 1 and built[0].expired(), "the per-head queries were stored for backward"
+    out.float().sum().backward()
+    assert len(built) == 2, "backward did not recompute the per-head queries"
+    assert not collab_warnings(caught)
+    if not amp:
+        fast = outputs_and_grads(layer, x, fused=True)
+        for a, b in zip(fast, explicit):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_pinned_kernel_reports_a_stored_copy(monkeypatch) -> None:
+    """Float32 folded inputs under bfloat16 autocast: SDPA casts the per-head queries and autograd stores that copy,
+    which the hook cannot replace (the old hook missed it silently): a warning says so."""
+    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
+    torch.manual_seed(0)
+    q, k = torch.randn(2, TOKENS, 13, requires_grad=True), torch.randn(2, TOKENS, 13)
+    mixing, content = torch.randn(HEADS, 13), torch.randn(2, TOKENS, HEADS)
+    v = torch.randn(2, HEADS, TOKENS, 16, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
+        sdpa_layout.pinned_sdpa(q_ext, m_ext, k_ext, v, 0.25, None, False, 0.)
+    messages = collab_warnings(caught)
+    assert len(messages) == 1 and "copy of the per-head queries or keys" in messages[0]
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
+def test_pinned_kernel_with_masks_matches_explicit(mask: str, monkeypatch) -> None:
+    """``sdpa-pinned`` (CPU flash, key dim 13: folded width 16 = the value head dim) with the caller's masks. A float
+    mask that needs a gradient is refused by CPU flash: one warning, and the explicit path's results."""
+    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
+    layer = random_layer(CollaborativeAttention, 13)
+    x = torch.randn(2, TOKENS, DIM)
+    explicit = outputs_and_grads(layer, x, fused=False, **layer_mask(mask))
+    force_path(monkeypatch, Path.SDPA_PINNED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = outputs_and_grads(layer, x, fused=True, **layer_mask(mask))
+    messages = collab_warnings(caught)
+    assert messages == ([] if mask != "float" else [messages[0]])
+    assert mask != "float" or "CPU flash has no gradient for the attention mask" in messages[0]
+    for a, b in zip(fast, explicit):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -19,7 +19,9 @@ from timm.layers import Attention, use_fused_attn
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import register_notrace_function
 
-from .attention_core import CollaborativeCore, equal_head_dims, pad_pays, sdpa_recomputing
+from .attention_core import CollaborativeCore, equal_head_dims, pad_pays
+from .dispatch import Path, select_path
+from .sdpa_layout import folded_layout, head_queries, pinned_sdpa, shared_keys
 
 MixingInit = Literal["concatenate", "random"]
 MIXING_INITS = ("concatenate", "random")
@@ -51,11 +53,15 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
 
 def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
                     is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """``softmax(q k^T * scale + mask) v`` written out, as timm's ``Attention`` without ``fused_attn``."""
+    """``softmax(q k^T * scale + mask) v`` written out, as timm's ``Attention`` without ``fused_attn``.
+
+    Softmax statistics are float32 for 16-bit logits (autocast lists softmax as a float32 op; without autocast the
+    softmax kernels accumulate in float32); the weights meet ``v`` in its dtype.
+    """
     attn = (q * scale) @ k.transpose(-2, -1)
     attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
     attn = F.dropout(attn.softmax(dim=-1), dropout_p)
-    return attn @ v
+    return attn.to(v.dtype) @ v
 
 
 @torch.fx.wrap
@@ -65,7 +71,10 @@ def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """``scaled_dot_product_attention``, zero-padding head dims to equal width for torch's CPU flash kernel (exact).
 
     Without gradients on CPU, the explicit product where padding would cost the flash kernel more (``pad_pays``).
+    A float mask is cast to q's dtype (SDPA refuses a float32 mask on bfloat16 queries).
     """
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(q.dtype)
     value_dim = v.shape[-1]
     if q.device.type == "cpu":
         if not torch.is_grad_enabled() and not pad_pays(q.shape[-1], value_dim):
@@ -95,28 +104,110 @@ def attend(
     return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
 
 
+@torch.jit.unused
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast computes matmuls in on x's device, or x's own dtype outside autocast (or on a device
+    autocast does not know, such as ``meta``)."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the attention products: autocast's (bfloat16, float16) if it is on, else x's (TorchScript: x's)."""
+    if torch.jit.is_scripting():
+        return x.dtype
+    return autocast_dtype(x)
+
+
+def content_mask(content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                 seq_len: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The content bias ``scale * c_i . x_m`` as an additive (B, Nh, 1, N) mask, merged with the caller's mask.
+
+    Constant along a query row of head i; the merged mask follows timm's semantics (``is_causal`` wins).
+    """
+    if content is None:
+        return resolve_self_attn_mask(seq_len, like, attn_mask, is_causal)
+    bias = content.transpose(1, 2).unsqueeze(2) * scale  # (B, Nh, 1, N)
+    return maybe_add_mask(bias, resolve_self_attn_mask(seq_len, bias, attn_mask, is_causal))
+
+
+def explicit_collaborative(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor],
+                           is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """Eq. 5 written out: mixed queries ``q diag(m_i)`` (B, Nh, N, D~k), keys broadcast to every head, content mask."""
+    B, N, key_dim = k.shape
+    heads = mixing.shape[0]
+    q_mixed = q.unsqueeze(1) * mixing.to(q.dtype).unsqueeze(1)
+    k_heads = k.unsqueeze(1).expand(B, heads, N, key_dim)
+    mask = content_mask(content, scale, attn_mask, is_causal, N, q)
+    return explicit_attend(q_mixed, k_heads, v, scale, mask, False, dropout_p)
+
+
+def folded_sdpa(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                dropout_p: float) -> torch.Tensor:
+    """The folded layout (``sdpa_layout``) through ``fused_attend``: torch (or the compiler) picks the kernel."""
+    q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
+    q2, k2 = head_queries(q_ext, m_ext), shared_keys(k_ext, m_ext.shape[0])
+    return fused_attend(q2, k2, v, scale, attn_mask, is_causal, dropout_p)
+
+
+@torch.jit.unused
+def core_attend(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor],
+                is_causal: bool) -> torch.Tensor:
+    """``CollaborativeCore`` (CPU, no dropout), the content bias as its additive mask."""
+    mask = content_mask(content, scale, attn_mask, is_causal, q.shape[1], q)
+    return CollaborativeCore.apply(q, mixing, k, v, mask, scale)
+
+
+@torch.jit.unused
+def pinned_attend(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                  dropout_p: float) -> Optional[torch.Tensor]:
+    """The folded layout on the pinned fused kernel; None where the kernel refuses the input (it warned once)."""
+    q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
+    return pinned_sdpa(q_ext, m_ext, k_ext, v, scale, attn_mask, is_causal, dropout_p)
+
+
 @torch.fx.wrap
 @register_notrace_function
-@torch.jit.unused
-def fused_attend_recomputing(
+def collaborative_attend(
         q: torch.Tensor,
         mixing: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        content: Optional[torch.Tensor],
         scale: float,
         attn_mask: Optional[torch.Tensor],
         is_causal: bool,
         dropout_p: float,
+        fused: bool,
 ) -> torch.Tensor:
-    """Fused attention on the mixed queries ``q diag(m_i)`` (eq. 5) without autograd storing Nh x larger tensors.
+    """Eq. 5 attention of all heads: (B, Nh, N, dh), by the implementation ``dispatch.select_path`` names.
 
-    On CPU without dropout, ``CollaborativeCore`` stores only the shared queries/keys, values, mask, output and row
-    log-sum-exp, and recomputes the attention weights in backward; elsewhere ``sdpa_recomputing``.
+    Shared queries/keys (B, N, D~k), mixing (Nh, D~k), values (B, Nh, N, dh), content scores ``c(x)`` (B, N, Nh)
+    or None. Inputs are first cast to the compute dtype (autocast's, else q's); so is a float mask. A leaf for
+    ``torch.fx`` (the choice is made when the graph runs) and scriptable (TorchScript takes ``sdpa``).
     """
-    if q.device.type == "cpu" and dropout_p == 0.:
-        return CollaborativeCore.apply(q, mixing, k, v, resolve_self_attn_mask(q.shape[-2], q, attn_mask, is_causal),
-                                       scale)
-    return sdpa_recomputing(q, mixing, k, v, scale, attn_mask, is_causal, dropout_p)
+    dtype = compute_dtype(q)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if content is not None:
+        content = content.to(dtype)
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(dtype)
+    path = select_path(q.device.type, fused, dropout_p, torch.jit.is_scripting(), torch.compiler.is_compiling())
+    if path == Path.CORE:
+        return core_attend(q, mixing, k, v, content, scale, attn_mask, is_causal)
+    if path == Path.SDPA_PINNED:
+        out = pinned_attend(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
+        if out is not None:
+            return out
+    elif path == Path.SDPA:
+        return folded_sdpa(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
+    return explicit_collaborative(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
 
 
 class HeadOutput(nn.Module):
@@ -221,19 +312,12 @@ class CollaborativeAttention(HeadOutput):
         q = self.q_norm(self.query(x))  # (B, N, D~k), shared by all heads
         k = self.k_norm(self.key(x))
         v = self.value(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        if self.content_bias is not None:  # c_i . x_m, constant along a query row of head i: an additive mask
-            content = self.content_bias(x).transpose(1, 2).unsqueeze(2) * self.scale  # (B, Nh, 1, N)
-            attn_mask = maybe_add_mask(content, resolve_self_attn_mask(N, content, attn_mask, is_causal))
-            is_causal = False
+        content: Optional[torch.Tensor] = None
+        if self.content_bias is not None:
+            content = self.content_bias(x)  # (B, N, Nh): c_i . x_m
         dropout_p = self.attn_drop.p if self.training else 0.
-        eager = not (torch.jit.is_scripting() or torch.compiler.is_compiling())
-        if not (eager and self.fused_attn):
-            # Mixed queries q_i = q diag(m_i) (eq. 5); keys broadcast to every head without a copy.
-            q = q.unsqueeze(1) * self.mixing.unsqueeze(1)  # (B, Nh, N, D~k)
-            k = k.unsqueeze(1).expand(B, self.num_heads, N, self.key_dim)
-            x = attend(q, k, v, self.scale, attn_mask, is_causal, dropout_p, self.fused_attn)
-        else:
-            x = fused_attend_recomputing(q, self.mixing, k, v, self.scale, attn_mask, is_causal, dropout_p)
+        x = collaborative_attend(q, self.mixing, k, v, content, self.scale, attn_mask, is_causal, dropout_p,
+                                 self.fused_attn)
         return self.project_heads(x)
 
     @classmethod

@@ -5,6 +5,10 @@ the logits of all heads are ONE batched matmul ``(B, Nh*N, D~k) @ (B, D~k, N)``,
 sum over heads is the contraction of that same matmul. ``CollaborativeCore`` saves only the small tensors (shared
 queries and keys, mixing, values, mask, output and the row log-sum-exp); the (B, Nh, N, N) weights and the Nh x larger
 mixed queries exist only transiently, in forward and again in backward. Measurements: ``benchmarks/attention_notes.md``.
+
+Precision: the products run in the inputs' (compute) dtype, bfloat16 under autocast; the softmax statistics (logits
+of a chunk, row log-sum-exp, ``rowsum(dO * O)``) and the accumulations across chunks (mixing and mask gradients) are
+float32 at least (``stats_dtype``). Autocast is off inside the core: it does exactly the casts written here.
 """
 
 from typing import Optional
@@ -47,15 +51,30 @@ def pad_pays(qk_dim: int, v_dim: int) -> bool:
     return v_dim <= 4 * qk_dim if qk_dim < v_dim else qk_dim <= 2 * v_dim
 
 
-def mixed_queries(q: torch.Tensor, mixing: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * q diag(m_i)`` for every head (eq. 5), as (B, Nh, N, D~k)."""
-    return q.unsqueeze(1) * (mixing * scale).unsqueeze(1)
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of softmax statistics and accumulations: float32 for 16-bit inputs, else the inputs' own."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def scaled_mixing(mixing: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * m_i`` for every head, in the compute dtype (Nh x D~k: the only cast the mixing matrix needs)."""
+    return (mixing.to(stats_dtype(mixing.dtype)) * scale).to(dtype)
+
+
+def mixed_queries(q: torch.Tensor, mixing_scaled: torch.Tensor) -> torch.Tensor:
+    """``scale * q diag(m_i)`` for every head (eq. 5), as (B, Nh, N, D~k) in q's dtype."""
+    return q.unsqueeze(1) * mixing_scaled.unsqueeze(1)
 
 
 def logits(q_mixed: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``q_i k^T + mask`` of all heads in one ``bmm`` over (B, Nh*N, D~k): a new (B, Nh, N, N) tensor."""
+    """``q_i k^T + mask`` of all heads in one ``bmm`` over (B, Nh*N, D~k): a new (B, Nh, N, N) tensor.
+
+    The product runs in the compute dtype (float32 accumulation); the result is in ``stats_dtype`` (no copy at
+    float32/float64), so the mask and the softmax statistics are added and taken at full precision.
+    """
     B, H, N, e = q_mixed.shape
     scores = torch.bmm(q_mixed.reshape(B, H * N, e), k.transpose(1, 2)).view(B, H, N, k.shape[1])
+    scores = scores.to(stats_dtype(scores.dtype))
     return scores if mask is None else scores.add_(mask)
 
 
@@ -101,19 +120,30 @@ def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torc
     if mask is not None and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     out = q.new_empty(B, N, H, ev).transpose(1, 2)
-    lse = q.new_empty(B, H, N)
+    lse = q.new_empty(B, H, N, dtype=stats_dtype(q.dtype))
     use_flash = flash_pays(q.shape[-1], ev)
+    mixing_scaled = scaled_mixing(mixing, scale, q.dtype)
     for rows in batch_chunks(B, H, N, k.shape[1]):
-        q_mixed = mixed_queries(q[rows], mixing, scale)
-        if use_flash:
+        q_mixed = mixed_queries(q[rows], mixing_scaled)
+        if use_flash:  # CPU flash keeps float32 statistics for 16-bit inputs and returns a float32 lse
             out[rows], lse[rows] = flash_forward(q_mixed, k[rows], v[rows], mask_rows(mask, rows, B))
             continue
         scores = logits(q_mixed, k[rows], mask_rows(mask, rows, B))
         del q_mixed
         row_lse = torch.logsumexp(scores, dim=-1)
         lse[rows] = row_lse
-        out[rows] = scores.sub_(row_lse.unsqueeze(-1)).exp_() @ v[rows]
+        out[rows] = scores.sub_(row_lse.unsqueeze(-1)).exp_().to(v.dtype) @ v[rows]
     return out, lse
+
+
+def reference_core(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Eq. 5 written out with autograd ops, with the core's casts: differentiable to any order (double backward)."""
+    logits = mixed_queries(q, scaled_mixing(mixing, scale, q.dtype)) @ k.unsqueeze(1).transpose(-2, -1)
+    logits = logits.to(stats_dtype(q.dtype))
+    if mask is not None:
+        logits = logits + mask
+    return logits.softmax(dim=-1).to(v.dtype) @ v
 
 
 class CollaborativeCore(torch.autograd.Function):
@@ -123,81 +153,82 @@ class CollaborativeCore(torch.autograd.Function):
     ``dv = P^T dO``; ``dq = sum_i (dS_i k) diag(scale m_i)``; ``dm_i = scale * sum_{b,n} (dS_i k) * q``;
     ``dk = sum_i dS_i^T Q_i`` (one matmul over the stacked heads); ``dmask = dS`` summed to the mask's shape.
     Forward and backward both work through the batch in chunks (``batch_chunks``).
+
+    Second order (``create_graph=True``: gradient penalties, Hessian-vector products): that backward is not itself
+    differentiable (the saved lse is cut from the graph), so there it differentiates ``reference_core`` on the saved
+    inputs instead: exact double backward, at the explicit path's memory.
     """
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-        out, lse = core_forward(q, mixing, k, v, scale, mask)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = core_forward(q, mixing, k, v, scale, mask)
         ctx.scale = scale
         ctx.save_for_backward(q, mixing, k, v, mask, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True
+            return CollaborativeCore.differentiable_backward(ctx, grad_out)
         q, mixing, k, v, mask, out, lse = ctx.saved_tensors
-        need_q, need_m, need_k, need_v, need_mask, _ = ctx.needs_input_grad
-        B, H, N, _ = out.shape
-        scaled_mixing = mixing * ctx.scale
-        compute_mask = None if mask is None else mask.to(q.dtype)
-        grad_q = torch.zeros_like(q) if need_q else None
-        grad_k = torch.zeros_like(k) if need_k else None
-        grad_v = torch.zeros_like(v) if need_v else None
-        grad_m = torch.zeros_like(mixing) if need_m else None
-        grad_mask = q.new_zeros(mask.shape) if need_mask else None
-        for rows in batch_chunks(B, H, N, k.shape[1]):
-            b = rows.stop - rows.start
-            q_rows, k_rows, d_out = q[rows], k[rows], grad_out[rows]
-            q_mixed = q_rows.unsqueeze(1) * scaled_mixing.unsqueeze(1)
-            weights = logits(q_mixed, k_rows, mask_rows(compute_mask, rows, B)).sub_(lse[rows].unsqueeze(-1)).exp_()
-            if need_v:
-                grad_v[rows] = weights.transpose(-2, -1) @ d_out
-            delta = (d_out * out[rows]).sum(-1, keepdim=True)
-            grad_scores = (d_out @ v[rows].transpose(-2, -1)).sub_(delta).mul_(weights)  # dS
-            del weights
-            if need_mask:
-                part = mask_rows(grad_mask, rows, B)
-                part += grad_scores.sum_to_size(part.shape)
-            stacked = grad_scores.view(b, H * N, N)
-            if need_k:
-                grad_k[rows] = torch.bmm(stacked.transpose(1, 2), q_mixed.view(b, H * N, -1))
-            del q_mixed
-            if need_q or need_m:
-                grad_mixed = torch.bmm(stacked, k_rows).view(b, H, N, -1)  # d logits / d Q_i, (b, Nh, N, D~k)
-                if need_q:
-                    grad_q[rows] = (grad_mixed * scaled_mixing.unsqueeze(1)).sum(1)
-                if need_m:
-                    grad_m += (grad_mixed * q_rows.unsqueeze(1)).sum((0, 2)).mul_(ctx.scale)
+        with torch.autocast(q.device.type, enabled=False):
+            grads = core_backward(q, mixing, k, v, mask, out, lse, grad_out.to(out.dtype), ctx.scale,
+                                  ctx.needs_input_grad)
+        return grads + (None,)
+
+    @staticmethod
+    def differentiable_backward(ctx, grad_out: torch.Tensor):
+        q, mixing, k, v, mask, _, _ = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:5]
+        inputs = [t for t, need in zip((q, mixing, k, v, mask), needs) if need]
+        with torch.autocast(q.device.type, enabled=False):
+            out = reference_core(q, mixing, k, v, mask, ctx.scale)
+        grads = iter(torch.autograd.grad(out, inputs, grad_out, create_graph=True))
+        return tuple(next(grads) if need else None for need in needs) + (None,)
+
+
+def core_backward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                  scale: float, needs_input_grad: tuple) -> tuple:
+    """Gradients of ``CollaborativeCore`` (formulas in its docstring), chunk by chunk; None where not needed."""
+    need_q, need_m, need_k, need_v, need_mask = needs_input_grad[:5]
+    B, H, N, _ = out.shape
+    acc = stats_dtype(q.dtype)
+    mixing_scaled = scaled_mixing(mixing, scale, q.dtype)
+    compute_mask = None if mask is None else mask.to(q.dtype)
+    grad_q = torch.zeros_like(q) if need_q else None
+    grad_k = torch.zeros_like(k) if need_k else None
+    grad_v = torch.zeros_like(v) if need_v else None
+    grad_m = torch.zeros_like(mixing, dtype=acc) if need_m else None
+    grad_mask = q.new_zeros(mask.shape, dtype=acc) if need_mask else None
+    for rows in batch_chunks(B, H, N, k.shape[1]):
+        b = rows.stop - rows.start
+        q_rows, k_rows, d_out = q[rows], k[rows], grad_out[rows]
+        q_mixed = mixed_queries(q_rows, mixing_scaled)
+        weights = logits(q_mixed, k_rows, mask_rows(compute_mask, rows, B)).sub_(lse[rows].unsqueeze(-1)).exp_()
+        if need_v:
+            grad_v[rows] = weights.to(v.dtype).transpose(-2, -1) @ d_out
+        delta = (d_out.to(acc) * out[rows]).sum(-1, keepdim=True)
+        grad_scores = (d_out @ v[rows].transpose(-2, -1)).to(acc).sub_(delta).mul_(weights)  # dS
+        del weights
         if need_mask:
-            grad_mask = grad_mask.to(mask.dtype)
-        return grad_q, grad_m, grad_k, grad_v, grad_mask, None
-
-
-def sdpa_recomputing(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     attn_mask: Optional[torch.Tensor], is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """SDPA on the mixed queries (eq. 5) under a saved-tensor hook: any device, dropout too.
-
-    SDPA saves its inputs for backward; the hook stores a recipe for the mixed queries (Nh x the shared ones) and any
-    padded copies instead, and recomputes them (one multiply or pad) in backward.
-    """
-    shared, weights, keys, values = q.detach(), mixing.detach(), k.detach(), v.detach()
-
-    def inputs(q_shared: torch.Tensor, m: torch.Tensor, k_shared: torch.Tensor, v_heads: torch.Tensor):
-        mixed = q_shared.unsqueeze(1) * m.unsqueeze(1)  # (B, Nh, N, D~k), eq. 5
-        k_heads = k_shared.unsqueeze(1).expand(-1, m.shape[0], -1, -1)
-        return equal_head_dims(mixed, k_heads, v_heads) if mixed.device.type == "cpu" else (mixed, k_heads, v_heads)
-
-    q_in, k_in, v_in = inputs(q, mixing, k, v)
-    recipes = {(t.data_ptr(), t.shape): i for i, t in enumerate((q_in, k_in, v_in)) if t.data_ptr() != v.data_ptr()}
-
-    def pack(tensor: torch.Tensor):
-        index = recipes.get((tensor.data_ptr(), tensor.shape))
-        return tensor if index is None else index
-
-    def unpack(packed):
-        return inputs(shared, weights, keys, values)[packed] if isinstance(packed, int) else packed
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        out = F.scaled_dot_product_attention(
-            q_in, k_in, v_in, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-    return out[..., :v.shape[-1]]
+            part = mask_rows(grad_mask, rows, B)
+            part += grad_scores.sum_to_size(part.shape)
+        stacked = grad_scores.to(q.dtype).view(b, H * N, N)
+        del grad_scores
+        if need_k:
+            grad_k[rows] = torch.bmm(stacked.transpose(1, 2), q_mixed.view(b, H * N, -1))
+        del q_mixed
+        if need_q or need_m:
+            grad_mixed = torch.bmm(stacked, k_rows).view(b, H, N, -1)  # d logits / d Q_i, (b, Nh, N, D~k)
+            if need_q:
+                grad_q[rows] = (grad_mixed * mixing_scaled.unsqueeze(1)).sum(1)
+            if need_m:
+                grad_m += (grad_mixed * q_rows.unsqueeze(1)).sum((0, 2), dtype=acc)
+    if need_m:
+        grad_m = grad_m.mul_(scale).to(mixing.dtype)
+    if need_mask:
+        grad_mask = grad_mask.to(mask.dtype)
+    return grad_q, grad_m, grad_k, grad_v, grad_mask

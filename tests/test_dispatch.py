@@ -1,0 +1,112 @@
+"""One function picks the implementation (``dispatch.select_path``); the README's table says the same, and the
+layer runs what it says on every device this machine has. fx-traced models script and run (timm's fx test)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path as FilePath
+
+import pytest
+import timm
+import torch
+from timm.layers import create_feature_extractor, get_graph_node_names, set_scriptable
+
+from collab_vit import CollaborativeAttention
+from collab_vit.layers import attention
+from collab_vit.layers.dispatch import Path, select_path
+
+README = FilePath(__file__).parents[1] / "README.md"
+HEADER = "| device | mode | attention dropout | run as | path |"
+IMPLEMENTATIONS = {Path.CORE: "core_attend", Path.SDPA_PINNED: "pinned_attend", Path.SDPA: "folded_sdpa",
+                   Path.EXPLICIT: "explicit_collaborative"}
+DEVICES = {"CPU": ["cpu"], "CUDA": ["cuda"], "other": ["mps", "xpu"], "any": ["cpu", "cuda", "mps"]}
+RUNS = {  # (fused, scripting, compiling) of each "run as" cell
+    "eager": [(True, False, False)],
+    "`torch.compile`, `torch.jit.script`": [(True, False, True), (True, True, False)],
+    "`fused_attn = False`": [(False, False, False), (False, True, False), (False, False, True)],
+}
+
+
+def readme_rows() -> list[list[str]]:
+    lines = README.read_text().splitlines()
+    start = lines.index(HEADER) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool, bool, bool]]:
+    """Every (device type, fused, dropout, scripting, compiling, training) a table row covers."""
+    device, mode, dropout, run, _ = row
+    dropouts = {"0": [0.], "> 0": [0.1], "any": [0., 0.1]}[dropout]
+    calls = []
+    for device_type in DEVICES[device]:
+        for training in [m.strip() == "training" for m in mode.split(",")]:
+            for p in dropouts:
+                if not training and p > 0:
+                    continue  # dropout is off in eval: "inference" rows mean p = 0
+                for fused, scripting, compiling in RUNS[run]:
+                    calls.append((device_type, fused, p, scripting, compiling, training))
+    return calls
+
+
+def row_path(row: list[str]) -> Path:
+    return Path(re.match(r"`([\w-]+)`", row[-1]).group(1))
+
+
+def test_readme_table_is_select_path() -> None:
+    rows = readme_rows()
+    assert len(rows) >= 6
+    covered = set()
+    for row in rows:
+        for device_type, fused, p, scripting, compiling, _ in row_calls(row):
+            assert select_path(device_type, fused, p, scripting, compiling) == row_path(row), row
+        covered.add(row_path(row))
+    assert covered == set(Path)
+
+
+def available_devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", available_devices())
+def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
+    """Each eager row for this device: the layer, in that mode, calls that implementation and no other."""
+    calls: list[Path] = []
+    def spy(path: Path, implementation):
+        def call(*args):
+            calls.append(path)
+            return implementation(*args)
+        return call
+
+    for path, name in IMPLEMENTATIONS.items():
+        monkeypatch.setattr(attention, name, spy(path, getattr(attention, name)))
+    checked = 0
+    for row in readme_rows():
+        for device_type, fused, p, scripting, compiling, training in row_calls(row):
+            if device_type != device or scripting or compiling:
+                continue
+            layer = CollaborativeAttention(48, 3, key_dim=20, qkv_bias=True, attn_drop=p).to(device).train(training)
+            layer.fused_attn = fused
+            calls.clear()
+            with torch.set_grad_enabled(training):
+                layer(torch.randn(2, 9, 48, device=device))
+            assert calls == [row_path(row)], row
+            checked += 1
+    assert checked >= 2
+
+
+def test_fx_traced_model_scripts_and_matches_eager() -> None:
+    """timm's ``test_model_forward_fx_torchscript`` on our model: fx trace (timm's tracer settings), then
+    ``torch.jit.script``; the scripted graph used to call the eager-only core and raise."""
+    torch.manual_seed(0)
+    with set_scriptable(True):
+        model = timm.create_model("collab_deit_tiny_patch16_224_k48", depth=2, img_size=32, patch_size=8).eval()
+    _, eval_nodes = get_graph_node_names(model)
+    scripted = torch.jit.script(create_feature_extractor(model, return_nodes=[eval_nodes[-1]]))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        (out,) = scripted(x).values()
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
