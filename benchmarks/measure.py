@@ -33,7 +33,7 @@ MODEL_GROUPS = [[BASELINE, name] for name in MODELS[1:]]
 
 def block_macs(tokens: int, dim: int = 768, heads: int = 12, key_dim: Optional[int] = None,
                collaborative: bool = False, mlp_ratio: float = 4.0) -> int:
-    """Multiply-adds of one ViT block (DESIGN.md section 1 cost model); key_dim None is standard attention."""
+    """Multiply-adds of one ViT block (docs/math.md, cost model); key_dim None is standard attention."""
     key_dim = dim if key_dim is None else key_dim
     qk_proj = 2 * tokens * dim * key_dim
     v_proj = out_proj = tokens * dim * dim

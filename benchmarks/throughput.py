@@ -83,7 +83,7 @@ def main() -> None:
               f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up)\n\n"
               "Each model is measured in its own process (memory), interleaved with its own copy of timm's "
               "`deit_base_patch16_224`; ratios are to that baseline (higher is faster; memory: lower is "
-              "smaller). Default glibc allocator. The analytic limit is the ratio of multiply-adds of the 12 blocks (DESIGN.md cost model). "
+              "smaller). Default glibc allocator. The analytic limit is the ratio of multiply-adds of the 12 blocks (docs/math.md, cost model). "
               "Saved activations: bytes autograd keeps for backward in one training forward.\n")
     report = header + "\n" + "\n\n".join(sections) + "\n"
     args.out.write_text(report)

@@ -5,11 +5,11 @@ those below it): ``layers`` (the attention layers) <- ``weights_io`` (atomic wri
 ``conversion`` (decompositions, whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` (timm
 registrations) <- ``training`` (DeiT's recipe) <- ``cli`` / ``train.py`` / ``eval.py``.
 """
+from ._version import __version__
 from .conversion import reparam
 from .conversion.reparam import reparametrize, reparametrize_layers
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
 from .models import COLLAB_MODELS, CONCAT_MODELS
 
-__version__ = "0.2.0"
 __all__ = ["CollaborativeAttention", "ConcatAttention", "attention_class", "reparametrize", "reparametrize_layers",
            "reparam", "COLLAB_MODELS", "CONCAT_MODELS"]

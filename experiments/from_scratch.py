@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 from runner import ROOT, Cell, machine, mean_std, run_cells, write_json
 
@@ -31,9 +32,9 @@ VARIANTS = [  # (config, attention, key dim, mixing init)
 ]
 
 
-def cells(seeds: list[int], config_dir: str, extra: list[str]) -> list[Cell]:
+def cells(seeds: list[int], config_dir: str, extra: list[str], only: Optional[list[str]] = None) -> list[Cell]:
     """Every (variant, seed); the random-init variants last, so that a cut-short grid still has all seeds of the rest."""
-    order = sorted(VARIANTS, key=lambda v: v[3] == 'random')
+    order = sorted((v for v in VARIANTS if not only or v[0] in only), key=lambda v: v[3] == 'random')
     return [Cell(f'{name}-s{seed}', f'{config_dir}/{name}.yaml', seed, list(extra),
                  {'variant': name, 'attention': attention, 'key_dim': key_dim, 'mixing_init': init})
             for random_init in (False, True) for seed in seeds
@@ -107,11 +108,12 @@ def main() -> None:
     p.add_argument('--runs', type=Path, default=ROOT / 'runs' / 'experiments' / 'from_scratch')
     p.add_argument('--config-dir', default='configs/fmnist')
     p.add_argument('--data-dir', default=None, help='overrides the configs\' data_dir')
+    p.add_argument('--variants', nargs='+', choices=[v[0] for v in VARIANTS], help='a part of the grid (default: all)')
     p.add_argument('--train-flags', nargs=argparse.REMAINDER, default=[],
                    help='extra train.py flags for every cell (last on the command line)')
     args = p.parse_args()
     extra = (['--data-dir', args.data_dir] if args.data_dir else []) + args.train_flags
-    records = run_cells(cells(args.seeds, args.config_dir, extra), args.results, args.runs, args.jobs)
+    records = run_cells(cells(args.seeds, args.config_dir, extra, args.variants), args.results, args.runs, args.jobs)
     (args.results / 'table.md').write_text(table(records))
     plot(records, args.results / 'top1_vs_key_dim.png')
     write_json(args.results / 'summary.json', {'machine': machine(), 'cells': len(records),

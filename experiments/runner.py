@@ -104,8 +104,8 @@ def run_cells(cells: Sequence[Cell], results: Path, runs: Path, jobs: int = 2,
             if run_dir.exists() and not (finished or resume):  # an attempt without a checkpoint: start afresh
                 import shutil
                 shutil.rmtree(run_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            log = open(run_dir / 'train.log', 'a')
+            runs.mkdir(parents=True, exist_ok=True)
+            log = open(runs / f'{cell.name}.log', 'a')  # beside the run directory, which holds only the run
             command = [sys.executable, '-c', 'pass'] if finished else cell.command(run_dir, resume)
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env_for_children())
             what = 'read finished' if finished else 'resume' if resume else 'start'
@@ -123,7 +123,7 @@ def run_cells(cells: Sequence[Cell], results: Path, runs: Path, jobs: int = 2,
             if proc.returncode != 0:
                 failures.append(cell.name)
                 print(f'{time.strftime("%H:%M:%S")} FAILED {cell.name} (exit {proc.returncode}); see '
-                      f'{runs / cell.name / "train.log"}', flush=True)
+                      f'{runs / cell.name}.log', flush=True)
                 continue
             record = finish_cell(cell, runs / cell.name, seconds)
             record['invocation'] = what  # 'start': seconds is the whole run; else only this invocation's part

@@ -86,7 +86,7 @@ def test_bad_config_values(files, tmp_path, capsys, yaml_text, message):
 
 
 @pytest.mark.parametrize('flags, message', [
-    (['--epochs', 'true'], "bad value True for 'epochs' in overrides (expected int)"),
+    (['--epochs', 'true'], "bad value True for 'epochs' in command-line flags (expected int)"),
     ({'model_kwargs': {**TINY_KWARGS, 'key_dim': [8, 8, 8]}},
      f"bad model_kwargs for '{TINY_MODEL}': key_dim list has 3 entries but the model has 2 blocks"),
     ({'model_kwargs': {**TINY_KWARGS, 'key_dimm': 8}}, f"model '{TINY_MODEL}' does not take the keyword 'key_dimm'"),

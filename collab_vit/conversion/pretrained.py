@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from timm.layers import Attention
 from timm.models.vision_transformer import checkpoint_filter_fn
 
+from .._version import __version__
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import atomic_write
 from .reparam import METHODS, collaborative_layer
@@ -82,7 +83,6 @@ def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str
     bytes), the target layers (heads and key dim per block), the method, the decomposition options with defaults
     filled in, ``CACHE_FORMAT`` and the collab-vit and torch versions.
     """
-    from .. import __version__  # the package is imported by then; at module level this import would be circular
     described = {
         "format": CACHE_FORMAT, "collab_vit": __version__, "torch": torch.__version__, "method": method,
         "options": decomposition_options(method, options),

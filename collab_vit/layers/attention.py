@@ -232,7 +232,7 @@ class CollaborativeAttention(HeadOutput):
     Heads share one query and one key projection ``W~q, W~k`` (D x D~k, no bias); head i re-weights the shared
     dimensions with its mixing vector ``m_i`` (a row of ``mixing``, Nh x D~k). The logit of query token n and key
     token m for head i is ``((x_n W~q) diag(m_i) (x_m W~k)^T + c_i . x_m) / sqrt(dh)`` where ``c_i`` is the content
-    bias (it replaces the query bias of the standard layer, DESIGN.md section 1) and ``dh = dim / num_heads`` is the
+    bias (it replaces the query bias of the standard layer, docs/math.md) and ``dh = dim / num_heads`` is the
     ORIGINAL head dim, whatever ``key_dim`` is. Values, output projection and dropout are those of timm's
     ``Attention``.
 

@@ -1,0 +1,92 @@
+"""The experiment scripts run end to end on a tiny setting (a few hundred images, one epoch, one block) so they
+cannot rot: every per-run JSON, table and plot they promise is written."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tinyrun import ROOT
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def write_idx(path, array: np.ndarray) -> None:
+    """An IDX file as in the original Fashion-MNIST distribution (uint8; 3 dims for images, 1 for labels)."""
+    magic = 2051 if array.ndim == 3 else 2049
+    header = magic.to_bytes(4, 'big') + b''.join(int(n).to_bytes(4, 'big') for n in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture(scope='module')
+def tiny_fashion_mnist(tmp_path_factory):
+    """200 train / 100 test 28x28 grayscale images whose class sets the brightness of one band: learnable."""
+    root = tmp_path_factory.mktemp('fmnist')
+    raw = root / 'FashionMNIST' / 'raw'
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (('train', 200), ('t10k', 100)):
+        labels = np.arange(n) % 10
+        images = rng.integers(0, 60, (n, 28, 28))
+        for i, c in enumerate(labels):
+            images[i, 2 * c:2 * c + 4] += 150
+        write_idx(raw / f'{prefix}-images-idx3-ubyte', images)
+        write_idx(raw / f'{prefix}-labels-idx1-ubyte', labels)
+    return root
+
+
+def run(script, *args, timeout=600):
+    env = {**os.environ, 'PYTHONPATH': ROOT, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.run([sys.executable, f'experiments/{script}', *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+TINY_TRAIN = ['--epochs', '1', '--batch-size', '50', '--model-kwargs', 'depth=1', '--cpu-threads', '1']
+
+
+def test_from_scratch_grid(tiny_fashion_mnist, tmp_path):
+    results = tmp_path / 'results'
+    out = run('from_scratch.py', '--seeds', '0', '--variants', 'standard', 'collab_k16', 'concat_k16',
+              '--results', results, '--runs', tmp_path / 'runs', '--data-dir', tiny_fashion_mnist,
+              '--train-flags', *TINY_TRAIN)
+    records = [json.loads((results / f'{v}-s0.json').read_text()) for v in ('standard', 'collab_k16', 'concat_k16')]
+    for record in records:
+        assert record['seed'] == 0 and 0 <= record['top1'] <= 100 and record['epochs'] == 1
+        assert record['params'] > record['qk_params'] > 0 and record['seconds'] > 0
+        assert record['command'].startswith('python train.py -c configs/fmnist/')
+    assert records[1]['qk_params'] < records[0]['qk_params']  # key dim 16 instead of 64
+    table = (results / 'table.md').read_text()
+    assert table.count('\n') == 5 and '| collaborative | 16 | concatenate |' in table and '± 0.00' in table
+    assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000 and 'top1_vs_key_dim.png' in out
+    # a finished grid is not run again
+    assert '3 already done, 0 to run' in run('from_scratch.py', '--seeds', '0', '--variants', 'standard',
+                                             'collab_k16', 'concat_k16', '--results', results, '--runs',
+                                             tmp_path / 'runs', '--data-dir', tiny_fashion_mnist)
+
+
+def test_post_hoc_and_redundancy(tiny_fashion_mnist, tmp_path):
+    results, runs = tmp_path / 'post_hoc', tmp_path / 'runs'
+    run('post_hoc.py', '--methods', 'parafac', '--key-dims', '8', '0.9', '--results', results, '--runs', runs,
+        '--data-dir', tiny_fashion_mnist, '--source-flags', ' '.join(TINY_TRAIN), '--finetune-flags',
+        '--batch-size 50 --cpu-threads 1')
+    for name in ('parafac_k8', 'parafac_k0.9'):
+        row = json.loads((results / f'{name}.json').read_text())
+        assert len(row['key_dims']) == 1 and row['decomposition_seconds'] >= 0
+        assert 0 <= row['top1_converted'] <= 100 and 0 <= row['top1_finetuned'] <= 100
+        assert 0 < row['tensor_error'] < 1
+    assert json.loads((results / 'parafac_k8.json').read_text())['key_dims'] == [8]
+    assert (results / 'table.md').read_text().count('| parafac |') == 2
+    assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
+
+    red = tmp_path / 'redundancy'
+    run('redundancy.py', '--trained', runs / 'source' / 'model.safetensors', '--results', red)
+    for name in ('trained', 'init'):
+        layers = json.loads((red / f'{name}.json').read_text())['layers']
+        assert len(layers) == 1 and layers[0]['cumulative_energy'][-1] == pytest.approx(1.0)
+        assert set(layers[0]['dims_needed']) == {'0.90', '0.95', '0.99'}
+    assert (red / 'spectrum_trained_vs_init.png').stat().st_size > 10_000 and 'At initialisation' in \
+        (red / 'table.md').read_text()
