@@ -7,7 +7,8 @@ loses little accuracy, and a short fine-tune recovers it.
    grid), seed 0. Control: the source fine-tuned with the same recipe as the converted models.
 2. Each cell: ``collab-vit convert`` the source to a key dim (3D/4, D/2, D/4, or a per-layer energy threshold
    0.99 / 0.95 / 0.9) with ``tucker``, ``cp`` or ``parafac`` (the paper's tensorly procedure), ``eval.py`` right
-   after conversion, then ``train.py -c configs/fmnist/finetune.yaml`` (1 epoch) from the converted weights.
+   after conversion; then ``train.py -c configs/fmnist/finetune.yaml`` (1 epoch) from the converted weights for the
+   cells in ``--finetune`` (default: every method at D/2 and D/4, Tucker at every key dim).
 Writes ``results/post_hoc/<cell>.json``, ``table.md`` and ``top1_vs_key_dim.png``.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from runner import ROOT, Cell, env_for_children, git_commit, machine, read_run, 
 
 METHODS = ('tucker', 'cp', 'parafac')
 KEY_DIMS = ('48', '32', '16', '0.99', '0.95', '0.9')
+# Fine-tunes cost an epoch each on the CPU: every method at D/2 and D/4, Tucker at every key dim.
+FINETUNE = tuple(f'{m}_k{k}' for m in METHODS for k in ('32', '16')) + tuple(f'tucker_k{k}' for k in KEY_DIMS)
 D = 64
 SOURCE = Cell('source', 'configs/fmnist/standard_long.yaml', 0, [], {'variant': 'source'})
 
@@ -72,10 +75,11 @@ def table(rows: list[dict], source: dict, control: dict) -> str:
              'decomposition s | top-1 converted | Δ vs source | top-1 fine-tuned | Δ vs control |',
              '|---|---|---|---:|---:|---:|---:|---:|---:|---:|']
     for r in rows:
+        tuned = r['top1_finetuned']
+        after = '— | —' if tuned is None else f"{tuned:.2f} | {tuned - control['top1']:+.2f}"
         lines.append(f"| {r['method']} | {r['key_dim']} | {'/'.join(map(str, r['key_dims']))} | "
                      f"{r['tensor_error']:.3f} | {r['output_error']:.3f} | {r['decomposition_seconds']:.2f} | "
-                     f"{r['top1_converted']:.2f} | {r['top1_converted'] - source['top1']:+.2f} | "
-                     f"{r['top1_finetuned']:.2f} | {r['top1_finetuned'] - control['top1']:+.2f} |")
+                     f"{r['top1_converted']:.2f} | {r['top1_converted'] - source['top1']:+.2f} | {after} |")
     return '\n'.join(lines) + '\n'
 
 
@@ -89,7 +93,7 @@ def plot(rows: list[dict], source: dict, control: dict, path: Path) -> None:
                                              ('top1_finetuned', 'after a 1-epoch fine-tune', control))):
         ax = fig.add_subplot(1, 2, col + 1)
         for method, color in zip(METHODS, ('C0', 'C1', 'C2')):
-            pts = sorted((fmean(r['key_dims']), r[key]) for r in rows if r['method'] == method)
+            pts = sorted((fmean(r['key_dims']), r[key]) for r in rows if r['method'] == method and r[key] is not None)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', color=color, label=method, lw=1.2)
         ax.axhline(ref['top1'], color='0.4', ls='--', lw=1, label='source' if col == 0 else 'source, fine-tuned')
         ax.set_xlabel('key/query dim (mean over layers)')
@@ -108,6 +112,7 @@ def main() -> None:
     p.add_argument('--runs', type=Path, default=ROOT / 'runs' / 'experiments' / 'post_hoc')
     p.add_argument('--methods', nargs='+', default=list(METHODS), choices=METHODS)
     p.add_argument('--key-dims', nargs='+', default=list(KEY_DIMS))
+    p.add_argument('--finetune', nargs='*', default=list(FINETUNE), help="cells to fine-tune ('all': every cell)")
     p.add_argument('--jobs', type=int, default=2)
     p.add_argument('--data-dir', default='data')
     p.add_argument('--source-flags', default='', help='extra train.py flags for the source run, one string')
@@ -134,6 +139,8 @@ def main() -> None:
             info = convert(source_file, cell_dir, key_dim, method, log)
             converted = evaluate(cell_dir / 'converted.safetensors', cell_dir / 'eval_converted.json', data, log)
             cells.append((name, method, key_dim, info, converted))
+            if name not in args.finetune and 'all' not in args.finetune:
+                continue
             kwargs = {**source_kwargs, 'key_dim': info['model_kwargs']['key_dim']}
             finetunes.append(finetune_cell(f'finetune_{name}', cell_dir / 'converted.safetensors',
                                            info['model_name'], kwargs, ['--data-dir', args.data_dir,
@@ -146,7 +153,7 @@ def main() -> None:
     rows = []
     for name, method, key_dim, info, converted in cells:
         layers = info['layers']
-        tuned = done[f'finetune_{name}']
+        tuned = done.get(f'finetune_{name}', {'top1': None, 'top5': None, 'command': None})
         row = {'name': name, 'method': method, 'key_dim': key_dim, 'key_dims': [x['key_dim'] for x in layers],
                'tensor_error': fmean(x['tensor_error'] for x in layers),
                'output_error': fmean(x['output_error'] for x in layers),

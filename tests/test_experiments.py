@@ -70,8 +70,8 @@ def test_from_scratch_grid(tiny_fashion_mnist, tmp_path):
 
 def test_post_hoc_and_redundancy(tiny_fashion_mnist, tmp_path):
     results, runs = tmp_path / 'post_hoc', tmp_path / 'runs'
-    run('post_hoc.py', '--methods', 'parafac', '--key-dims', '8', '0.9', '--results', results, '--runs', runs,
-        '--data-dir', tiny_fashion_mnist, '--source-flags', ' '.join(TINY_TRAIN), '--finetune-flags',
+    run('post_hoc.py', '--methods', 'parafac', '--key-dims', '8', '0.9', '--finetune', 'all', '--results', results,
+        '--runs', runs, '--data-dir', tiny_fashion_mnist, '--source-flags', ' '.join(TINY_TRAIN), '--finetune-flags',
         '--batch-size 50 --cpu-threads 1')
     for name in ('parafac_k8', 'parafac_k0.9'):
         row = json.loads((results / f'{name}.json').read_text())

@@ -226,6 +226,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     # resume
     start_epoch, num_updates, best_top1, best_epoch, rng_states, batches_done = 0, 0, -1.0, -1, None, 0
     metrics: Dict[str, float] = {}
+    old_order = False
     if ckpt is not None:
         optimizer.load_state_dict(ckpt['optimizer'])
         scheduler.load_state_dict(ckpt['scheduler'])
@@ -239,9 +240,7 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
         batches_done = ckpt.get('batches_done', 0)  # > 0: stopped inside epoch start_epoch, rng is its start state
         if batches_done and len(ckpt['rng_at_stop']) == dist_info.world_size:
             skipper.rng_after_skip = ckpt['rng_at_stop'][dist_info.rank]
-        if batches_done and not dist_info.distributed and ckpt.get('sample_order') != SAMPLE_ORDER:
-            log.info(f'warning: {cfg.output}/last.pth was written inside an epoch by an older version whose sample '
-                     f'order differs: the rest of epoch {start_epoch} may repeat or miss some samples')
+        old_order = bool(batches_done) and not dist_info.distributed and ckpt.get('sample_order') != SAMPLE_ORDER
         if not batches_done:  # the final summary of a run killed after its last checkpoint, before its export
             metrics = {k: v for k, v in (ckpt.get('metrics') or {}).items() if k in ('top1', 'top5')}
         if cfg.sched_on_updates:
@@ -266,6 +265,9 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     if ckpt is not None:
         within = f', after batch {batches_done} of that epoch' if batches_done else ''
         log.info(f'resumed {cfg.output} at epoch {start_epoch}{within} (step {num_updates})')
+    if old_order:
+        log.info(f'warning: {cfg.output}/last.pth was written inside an epoch by an older version whose sample '
+                 f'order differs: the rest of epoch {start_epoch} may repeat or miss some samples')
     del ckpt
     if model_ema is not None and not evaluate_ema:
         log.info('the EMA is kept on the cpu (model_ema_force_cpu): as in timm, it is not evaluated during training; '
