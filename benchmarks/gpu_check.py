@@ -38,6 +38,7 @@ from timm.layers import Attention  # noqa: E402
 
 import collab_vit  # noqa: E402,F401  (registers the models)
 from collab_vit import CollaborativeAttention, ConcatAttention  # noqa: E402
+from measure import timed  # noqa: E402  (benchmarks/measure.py, beside this file)
 
 BASELINE = "deit_base_patch16_224"
 MODELS = [BASELINE, "collab_deit_base_patch16_224_k192", "collab_deit_base_patch16_224_k384",
@@ -235,19 +236,6 @@ def memory_section(device: torch.device, tiny: bool, report: list[str], failures
         mixed_cell = f"{mixed / 2**20:.1f}" if mixed else "-"
         report.append(f"| {name} | {held / 2**20:.1f} | {held / timm_held:.3f} | {mixed_cell} |")
     report.append("")
-
-
-def timed(fn: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
 
 
 def measure_model(name: str, device: torch.device, batch: int, warmup: int, repeats: int,

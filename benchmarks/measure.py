@@ -64,7 +64,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one call of ``fn`` (CUDA events on a GPU, wall clock on the CPU)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -138,9 +139,9 @@ def measure_models(names: list[str], batch: int, device: torch.device, amp_dtype
             results[name].cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
     for _ in progress(range(repeats)):
         for name, runner in runners.items():
-            results[name].infer_times.append(_timed(runner.infer, device))
+            results[name].infer_times.append(timed(runner.infer, device))
             if train:
-                results[name].train_times.append(_timed(runner.train_step, device))
+                results[name].train_times.append(timed(runner.train_step, device))
         _sync(device)
     return results
 
@@ -175,7 +176,7 @@ def measure_layers(tokens: int, batch: int, device: torch.device, amp_dtype: Opt
             run(layer)()
     for _ in range(repeats):
         for name, layer in layers.items():
-            times[name].append(_timed(run(layer), device))
+            times[name].append(timed(run(layer), device))
     return {n: statistics.median(t) for n, t in times.items()}
 
 
