@@ -36,6 +36,30 @@ def initial_weights(trained: Path, out: Path) -> Path:
     return out
 
 
+def per_head_dims(model) -> list[dict[str, list[int]]]:
+    """Per layer and head: dims holding 90/95/99 % of that head's own ``W_q,i W_k,i^T`` energy. If the heads used
+    orthogonal subspaces, the concatenation would need about the SUM of these; if they share one, about the MAX."""
+    import torch
+
+    from collab_vit.conversion.decompose import energy_spectrum, rank_for_energy, split_qkv_heads
+    from collab_vit.conversion.reparam import timm_attention_layers
+    out = []
+    for _, attn in timm_attention_layers(model):
+        wq, wk = split_qkv_heads(attn.qkv.weight.detach().to(torch.float64), attn.num_heads)
+        spectra = [energy_spectrum(wq[i:i + 1], wk[i:i + 1])[0] for i in range(attn.num_heads)]
+        out.append({f'{t:.2f}': [rank_for_energy(e, t) for e in spectra] for t in (0.9, 0.95, 0.99)})
+    return out
+
+
+def heads_table(spectra: list, heads: list) -> str:
+    lines = ['| layer | concatenated over heads: dims for 90 % | each head alone: dims for 90 % | sum over heads | '
+             'max over heads |', '|---|---:|---|---:|---:|']
+    for s, h in zip(spectra, heads):
+        per = h['0.90']
+        lines.append(f"| {s.name} | {s.dims_needed[0.9]} | {' / '.join(map(str, per))} | {sum(per)} | {max(per)} |")
+    return '\n'.join(lines) + '\n'
+
+
 def analyze(checkpoint: Path, plot: Path, log: Path) -> None:
     with open(log, 'a') as f:
         subprocess.run([sys.executable, '-m', 'collab_vit.cli', 'analyze', '--checkpoint', str(checkpoint), '--plot',
@@ -56,19 +80,20 @@ def main() -> None:
 
     args.results.mkdir(parents=True, exist_ok=True)
     init = initial_weights(args.trained, args.results / 'init.safetensors')
-    tables, spectra = {}, {}
+    tables, spectra, heads = {}, {}, {}
     for name, checkpoint in (('trained', args.trained), ('init', init)):
         analyze(checkpoint, args.results / f'{name}_spectrum.png', args.results / 'analyze.log')  # the CLI's output
         model, model_name, kwargs, _ = load_source(None, str(checkpoint))
         spectra[name] = layer_spectra(model)
-        tables[name] = format_spectrum_table(spectra[name])
+        heads[name] = per_head_dims(model)
+        tables[name] = format_spectrum_table(spectra[name]) + '\n' + heads_table(spectra[name], heads[name])
         write_json(args.results / f'{name}.json', {
             'checkpoint': str(checkpoint.relative_to(ROOT)) if checkpoint.is_relative_to(ROOT) else str(checkpoint),
             'model': model_name, 'model_kwargs': kwargs, 'command': f'collab-vit analyze --checkpoint {checkpoint}',
             'layers': [{'name': s.name, 'dims_needed': {f'{t:.2f}': s.dims_needed[t] for t in THRESHOLDS},
-                        'total_dims': s.total_dims, 'cumulative_energy': [round(float(e), 6) for e in
-                                                                          s.cumulative_energy]}
-                       for s in spectra[name]],
+                        'per_head_dims_needed': h, 'total_dims': s.total_dims,
+                        'cumulative_energy': [round(float(e), 6) for e in s.cumulative_energy]}
+                       for s, h in zip(spectra[name], heads[name])],
             'commit': git_commit(), 'machine': machine()})
     (args.results / 'table.md').write_text(
         '**Trained** (standard attention, D = 64, 4 heads):\n\n' + tables['trained'] +
@@ -97,7 +122,7 @@ def plot(spectra: dict, path: Path) -> None:
         ax.axhline(t, color='0.5', lw=0.7, ls='--')
     ax.set_xlabel('number of shared query dims kept (top singular directions)')
     ax.set_ylabel('cumulative energy of $[W_{q,i} W_{k,i}^T]_i$')
-    ax.set_title('Key/query redundancy across heads: trained (solid) vs initialisation (dotted)')
+    ax.set_title('Shared key/query subspace: trained (solid) vs init (dotted)')
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5, ncol=2, loc='lower right')
     fig.tight_layout()
