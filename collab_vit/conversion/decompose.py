@@ -641,7 +641,8 @@ def parafac_decompose(
     Forms the dense tensor ``T[i] = wq[i] wk[i]^T`` (Nh x D x D) and runs tensorly's ``parafac(T, rank,
     init="random", tol=tol, n_iter_max=max_iter, random_state=seed)`` (CP-ALS from a random start) with the pytorch
     backend in ``dtype``. The CP weights tensorly returns are folded into the mixing matrix (the paper's code drops
-    them; they are 1 unless tensorly normalises). Memory and time grow with ``Nh * D^2 * rank``: for one DeiT-B
+    them; they are 1 unless tensorly normalises), and the components are scaled and ordered as ``cp_decompose``'s
+    (same tensor, balanced factors). Memory and time grow with ``Nh * D^2 * rank``: for one DeiT-B
     layer at rank 384 about 100x slower than ``tucker_decompose`` (``benchmarks/reparam.md``).
     """
     import tensorly as tl
@@ -661,7 +662,10 @@ def parafac_decompose(
             dense, rank, init="random", tol=tol, n_iter_max=max_iter, random_state=seed, return_errors=True)
     finally:
         tl.set_backend(previous)
-    mixing = mixing * weights
+    # tensorly leaves each component's scale spread arbitrarily over its three factors (measured on a trained layer:
+    # query entries ~8, mixing ~6e-4), which the layer computes the same but AdamW fine-tunes badly (an update of
+    # ~lr per step is huge next to 6e-4): rescale as cp/tucker do. The tensor, and so the layer, are unchanged.
+    query, key, mixing = _finalise(query, key, mixing * weights)
     out = wq.dtype
     query, key, mixing = query.to(out), key.to(out), mixing.to(out)
     return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), len(errors))
