@@ -91,7 +91,7 @@ def plot(rows: list[dict], source: dict, control: dict, path: Path) -> None:
     FigureCanvasAgg(fig)
     for col, (key, title, ref) in enumerate((('top1_converted', 'right after conversion', source),
                                              ('top1_finetuned', 'after a 1-epoch fine-tune', control))):
-        ax = fig.add_subplot(1, 2, col + 1)
+        ax = fig.add_subplot(1, 2, col + 1, sharey=fig.axes[0] if fig.axes else None)
         for method, color in zip(METHODS, ('C0', 'C1', 'C2')):
             pts = sorted((fmean(r['key_dims']), r[key]) for r in rows if r['method'] == method and r[key] is not None)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', color=color, label=method, lw=1.2)
