@@ -11,6 +11,7 @@ Writes ``results/from_scratch/<cell>.json`` per run, ``table.md`` and ``top1_vs_
 from __future__ import annotations
 
 import argparse
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -48,23 +49,28 @@ def cells(seeds: list[int], config_dir: str, extra: list[str], only: Optional[li
 
 
 def table(records: list[dict]) -> str:
+    """Mean ± sample std over seeds; the difference to standard attention with its standard error
+    ``sqrt(s1^2/n1 + s2^2/n2)`` (a difference within about two of those is not resolved by these seeds)."""
     groups = defaultdict(list)
     for r in records:
         groups[r['variant']].append(r)
-    base = mean_std([r['top1'] for r in groups['standard']])[0] if groups['standard'] else None
-    lines = ['| attention | key dim | mixing init | params | q/k params | top-1 (mean ± std) | vs standard | top-5 | '
-             'n seeds | train min/run |', '|---|---:|---|---:|---:|---:|---:|---:|---:|---:|']
+    base = [r['top1'] for r in groups.get('standard', [])]
+    lines = ['| attention | key dim | mixing init | params | q/k params | top-1 (mean ± std) | Δ vs standard (± s.e.) | '
+             'top-5 | n seeds | train min/run |', '|---|---:|---|---:|---:|---:|---:|---:|---:|---:|']
     for name, *_ in VARIANTS:
         rs = groups.get(name)
         if not rs:
             continue
-        m, s = mean_std([r['top1'] for r in rs])
-        m5, _ = mean_std([r['top5'] for r in rs])
-        delta = '' if base is None or name == 'standard' else f'{m - base:+.2f}'
+        top1 = [r['top1'] for r in rs]
+        m, s = mean_std(top1)
+        delta = ''
+        if base and name != 'standard':
+            mb, sb = mean_std(base)
+            delta = f'{m - mb:+.2f} ± {math.sqrt(s ** 2 / len(top1) + sb ** 2 / len(base)):.2f}'
         minutes = mean_std([r['train_seconds'] for r in rs])[0] / 60
         lines.append(f"| {rs[0]['attention']} | {rs[0]['key_dim']} | {rs[0]['mixing_init'] or '-'} | "
                      f"{rs[0]['params'] / 1e3:.1f}k | {rs[0]['qk_params'] / 1e3:.1f}k | {m:.2f} ± {s:.2f} | {delta} | "
-                     f"{m5:.2f} | {len(rs)} | {minutes:.1f} |")
+                     f"{mean_std([r['top5'] for r in rs])[0]:.2f} | {len(rs)} | {minutes:.1f} |")
     return '\n'.join(lines) + '\n'
 
 
