@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from timm.layers import Attention
 from timm.models.vision_transformer import checkpoint_filter_fn
 
-from .._version import __version__
+from .. import _version
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import atomic_write
 from .reparam import METHODS, collaborative_layer
@@ -84,7 +84,7 @@ def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str
     filled in, ``CACHE_FORMAT`` and the collab-vit and torch versions.
     """
     described = {
-        "format": CACHE_FORMAT, "collab_vit": __version__, "torch": torch.__version__, "method": method,
+        "format": CACHE_FORMAT, "collab_vit": _version.__version__, "torch": torch.__version__, "method": method,
         "options": decomposition_options(method, options),
         "blocks": [[getattr(b.attn, "num_heads", None), getattr(b.attn, "key_dim", None)] for b in model.blocks],
     }
