@@ -6,16 +6,19 @@ a 4x smaller key/query dim matches standard attention, while standard attention 
 
 Grid (``configs/fmnist/``; D = 64, 4 heads of 16): standard attention at Dk = D; collaborative at D, D/2, D/4, D/8
 (concatenate mixing init) and D/4, D/8 (random mixing init); standard attention cut to D/2, D/4, D/8 (``concat``).
-Writes ``results/from_scratch/<cell>.json`` per run, ``table.md`` and ``top1_vs_key_dim.png``.
+Writes ``results/from_scratch/<cell>.json`` per run, ``table.md``, ``top1_vs_key_dim.png`` and ``mixing.md`` (how
+far the trained mixing matrices moved from the block structure of the concatenate init).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+import torch
 from runner import ROOT, Cell, machine, mean_std, run_cells, write_json
 
 D = 64
@@ -74,6 +77,57 @@ def table(records: list[dict]) -> str:
     return '\n'.join(lines) + '\n'
 
 
+def mixing_stats(mixing: torch.Tensor) -> tuple[float, float]:
+    """For one layer's mixing matrix (Nh, Dk): the mean over heads of (i) the share of head h's squared mixing weights
+    on the Dk/Nh shared dims that the concatenate init gives it (1 for concatenate, about 1/Nh for a dense random
+    vector) and (ii) the participation ratio ``(sum m^2)^2 / sum m^4``, the number of shared dims a head effectively
+    uses (Dk/Nh for concatenate, up to Dk when a head spreads evenly over all shared dims)."""
+    m2 = mixing.double().pow(2)
+    heads, key_dim = m2.shape
+    block = key_dim // heads
+    own = torch.stack([m2[h, h * block:(h + 1) * block].sum() for h in range(heads)]) / m2.sum(1)
+    used = m2.sum(1) ** 2 / m2.pow(2).sum(1)
+    return float(own.mean()), float(used.mean())
+
+
+def mixing_table(records: list[dict], runs: Path) -> str:
+    """Mixing structure of the collaborative cells, trained (each run's exported weights) and at initialisation (the
+    same architecture built with the run's seed), averaged over layers and seeds."""
+    import timm
+    from safetensors.torch import load_file
+
+    import collab_vit  # noqa: F401  (registers the models)
+
+    def layers(state: dict) -> list[tuple[float, float]]:
+        return [mixing_stats(v) for k, v in sorted(state.items()) if k.endswith('.attn.mixing')]
+
+    groups = defaultdict(lambda: {'trained': [], 'init': [], 'heads': 0})
+    for r in records:
+        path = runs / r['name'] / 'model.safetensors'
+        if r['attention'] != 'collaborative' or not path.exists():
+            continue
+        cfg = r['config']
+        torch.manual_seed(r['seed'])
+        init = timm.create_model(cfg['model'], num_classes=cfg['num_classes'], img_size=cfg['img_size'],
+                                 in_chans=cfg['in_chans'], **cfg['model_kwargs'])
+        groups[r['variant']]['heads'] = cfg['model_kwargs']['num_heads']
+        groups[r['variant']]['trained'] += layers(load_file(path))
+        groups[r['variant']]['init'] += layers(init.state_dict())
+    lines = ['| key dim | mixing init | dims per head in the concatenate block | own-block share of '
+             'mixing energy: init → trained | shared dims a head uses (participation ratio): init → trained | runs |',
+             '|---:|---|---:|---:|---:|---:|']
+    for name, _, key_dim, init in VARIANTS:
+        if name not in groups:
+            continue
+        g = groups[name]
+        n_runs = sum(1 for r in records if r['variant'] == name)
+        own = [statistics.fmean(s[0] for s in g[k]) for k in ('init', 'trained')]
+        used = [statistics.fmean(s[1] for s in g[k]) for k in ('init', 'trained')]
+        lines.append(f'| {key_dim} | {init} | {key_dim // g["heads"]} | {own[0]:.2f} → {own[1]:.2f} | '
+                     f'{used[0]:.1f} → {used[1]:.1f} | {n_runs} |')
+    return '\n'.join(lines) + '\n'
+
+
 def plot(records: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -128,10 +182,12 @@ def main() -> None:
     records = run_cells(cells(args.seeds, args.config_dir, extra, args.variants), args.results, args.runs, args.jobs)
     (args.results / 'table.md').write_text(table(records))
     plot(records, args.results / 'top1_vs_key_dim.png')
+    (args.results / 'mixing.md').write_text(mixing_table(records, args.runs))
     write_json(args.results / 'summary.json', {'machine': machine(), 'cells': len(records),
                                                'wall_seconds_sum': sum(r['seconds'] for r in records)})
     print(table(records))
-    print(f'wrote {args.results}/table.md and top1_vs_key_dim.png')
+    print(mixing_table(records, args.runs))
+    print(f'wrote {args.results}/table.md, top1_vs_key_dim.png and mixing.md')
 
 
 if __name__ == '__main__':

@@ -62,6 +62,8 @@ def test_from_scratch_grid(tiny_fashion_mnist, tmp_path):
     table = (results / 'table.md').read_text()
     assert table.count('\n') == 5 and '| collaborative | 16 | concatenate |' in table and '± 0.00' in table
     assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000 and 'top1_vs_key_dim.png' in out
+    mixing = (results / 'mixing.md').read_text()
+    assert mixing.count('\n') == 3 and '| 16 | concatenate | 4 | 1.00 → ' in mixing  # one collaborative cell
     # a finished grid is not run again
     assert '3 already done, 0 to run' in run('from_scratch.py', '--seeds', '0', '--variants', 'standard',
                                              'collab_k16', 'concat_k16', '--results', results, '--runs',
@@ -90,3 +92,16 @@ def test_post_hoc_and_redundancy(tiny_fashion_mnist, tmp_path):
         assert set(layers[0]['dims_needed']) == {'0.90', '0.95', '0.99'}
     assert (red / 'spectrum_trained_vs_init.png').stat().st_size > 10_000 and 'At initialisation' in \
         (red / 'table.md').read_text()
+
+
+def test_mixing_stats() -> None:
+    """Own-block share and participation ratio: 1 and Dk/Nh for the concatenate init, 1/Nh and Dk for a head that
+    spreads evenly over all shared dims."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+    from from_scratch import mixing_stats
+    concatenate = torch.kron(torch.eye(4), torch.ones(1, 4))  # (4 heads, 16 shared dims), head h owns dims 4h..4h+3
+    assert mixing_stats(concatenate) == (1.0, 4.0)
+    assert mixing_stats(torch.full((4, 16), -0.3)) == (0.25, 16.0)
+    own, used = mixing_stats(concatenate + 0.5 * torch.roll(concatenate, 4, dims=1))  # a quarter of it elsewhere
+    assert abs(own - 0.8) < 1e-12 and 4.0 < used < 8.0
