@@ -52,27 +52,38 @@ def cells(seeds: list[int], config_dir: str, extra: list[str], only: Optional[li
 
 
 def table(records: list[dict]) -> str:
-    """Mean ± sample std over seeds; the difference to standard attention with its standard error
+    """Mean ± sample std over seeds; the differences to standard attention and, for collaborative rows, to standard
+    attention cut to the same key dim (the standard model itself at Dk = D), each with its standard error
     ``sqrt(s1^2/n1 + s2^2/n2)`` (a difference within about two of those is not resolved by these seeds)."""
     groups = defaultdict(list)
     for r in records:
         groups[r['variant']].append(r)
+    def delta(top1: list[float], ref: list[float]) -> str:
+        (m, s), (mr, sr) = mean_std(top1), mean_std(ref)
+        return f'{m - mr:+.2f} ± {math.sqrt(s ** 2 / len(top1) + sr ** 2 / len(ref)):.2f}'
+
     base = [r['top1'] for r in groups.get('standard', [])]
+    cut = {r['key_dim']: [] for r in records if r['attention'].startswith('concatenate')}
+    for r in records:
+        if r['attention'].startswith('concatenate'):
+            cut[r['key_dim']].append(r['top1'])
+    if base:
+        cut[D] = base
     lines = ['| attention | key dim | mixing init | params | q/k params | top-1 (mean ± std) | Δ vs standard (± s.e.) | '
-             'top-5 | n seeds | train min/run |', '|---|---:|---|---:|---:|---:|---:|---:|---:|---:|']
+             'Δ vs standard cut to the same key dim | top-5 | n seeds | train min/run |',
+             '|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|']
     for name, *_ in VARIANTS:
         rs = groups.get(name)
         if not rs:
             continue
         top1 = [r['top1'] for r in rs]
         m, s = mean_std(top1)
-        delta = ''
-        if base and name != 'standard':
-            mb, sb = mean_std(base)
-            delta = f'{m - mb:+.2f} ± {math.sqrt(s ** 2 / len(top1) + sb ** 2 / len(base)):.2f}'
+        vs_standard = delta(top1, base) if base and name != 'standard' else ''
+        same_dim = cut.get(rs[0]['key_dim'])
+        vs_cut = delta(top1, same_dim) if same_dim and rs[0]['attention'] == 'collaborative' else ''
         minutes = mean_std([r['train_seconds'] for r in rs])[0] / 60
         lines.append(f"| {rs[0]['attention']} | {rs[0]['key_dim']} | {rs[0]['mixing_init'] or '-'} | "
-                     f"{rs[0]['params'] / 1e3:.1f}k | {rs[0]['qk_params'] / 1e3:.1f}k | {m:.2f} ± {s:.2f} | {delta} | "
+                     f"{rs[0]['params'] / 1e3:.1f}k | {rs[0]['qk_params'] / 1e3:.1f}k | {m:.2f} ± {s:.2f} | {vs_standard} | {vs_cut} | "
                      f"{mean_std([r['top5'] for r in rs])[0]:.2f} | {len(rs)} | {minutes:.1f} |")
     return '\n'.join(lines) + '\n'
 
@@ -92,16 +103,14 @@ def mixing_stats(mixing: torch.Tensor) -> tuple[float, float]:
 
 def mixing_table(records: list[dict], runs: Path) -> str:
     """Mixing structure of the collaborative cells, trained (each run's exported weights) and at initialisation (the
-    same architecture built with the run's seed), averaged over layers and seeds."""
+    same architecture built with the run's seed, as the trainer builds it), averaged over layers and seeds; beside it
+    how far training moved the mixing entries and, for comparison, the shared query projections."""
     import timm
     from safetensors.torch import load_file
 
     import collab_vit  # noqa: F401  (registers the models)
 
-    def layers(state: dict) -> list[tuple[float, float]]:
-        return [mixing_stats(v) for k, v in sorted(state.items()) if k.endswith('.attn.mixing')]
-
-    groups = defaultdict(lambda: {'trained': [], 'init': [], 'heads': 0})
+    groups = defaultdict(lambda: defaultdict(list))
     for r in records:
         path = runs / r['name'] / 'model.safetensors'
         if r['attention'] != 'collaborative' or not path.exists():
@@ -109,22 +118,31 @@ def mixing_table(records: list[dict], runs: Path) -> str:
         cfg = r['config']
         torch.manual_seed(r['seed'])
         init = timm.create_model(cfg['model'], num_classes=cfg['num_classes'], img_size=cfg['img_size'],
-                                 in_chans=cfg['in_chans'], **cfg['model_kwargs'])
-        groups[r['variant']]['heads'] = cfg['model_kwargs']['num_heads']
-        groups[r['variant']]['trained'] += layers(load_file(path))
-        groups[r['variant']]['init'] += layers(init.state_dict())
-    lines = ['| key dim | mixing init | dims per head in the concatenate block | own-block share of '
-             'mixing energy: init → trained | shared dims a head uses (participation ratio): init → trained | runs |',
-             '|---:|---|---:|---:|---:|---:|']
+                                 in_chans=cfg['in_chans'], **cfg['model_kwargs']).state_dict()
+        trained = load_file(path)
+        g = groups[r['variant']]
+        g['heads'] = [cfg['model_kwargs']['num_heads']]
+        for key in sorted(k for k in trained if k.endswith('.attn.mixing')):
+            g['init'].append(mixing_stats(init[key]))
+            g['trained'].append(mixing_stats(trained[key]))
+            g['moved'].append(float((trained[key] - init[key]).abs().mean()))
+            g['size'].append(float(init[key].abs().sum() / init[key].count_nonzero()))
+            query = key.replace('.mixing', '.query.weight')
+            g['query'].append(float((trained[query] - init[query]).norm() / init[query].norm()))
+    lines = ['| key dim | mixing init | dims per head in the concatenate block | own-block share of mixing energy: '
+             'init → trained | shared dims a head uses (participation ratio): init → trained | mean \\|Δ\\| of a '
+             'mixing entry (mean \\|m\\| at init) | change of W~q, relative to its init norm | runs |',
+             '|---:|---|---:|---:|---:|---:|---:|---:|']
     for name, _, key_dim, init in VARIANTS:
         if name not in groups:
             continue
         g = groups[name]
-        n_runs = sum(1 for r in records if r['variant'] == name)
         own = [statistics.fmean(s[0] for s in g[k]) for k in ('init', 'trained')]
         used = [statistics.fmean(s[1] for s in g[k]) for k in ('init', 'trained')]
-        lines.append(f'| {key_dim} | {init} | {key_dim // g["heads"]} | {own[0]:.2f} → {own[1]:.2f} | '
-                     f'{used[0]:.1f} → {used[1]:.1f} | {n_runs} |')
+        lines.append(f'| {key_dim} | {init} | {key_dim // g["heads"][0]} | {own[0]:.2f} → {own[1]:.2f} | '
+                     f'{used[0]:.1f} → {used[1]:.1f} | {statistics.fmean(g["moved"]):.3f} '
+                     f'({statistics.fmean(g["size"]):.2f}) | {100 * statistics.fmean(g["query"]):.0f} % | '
+                     f'{sum(1 for r in records if r["variant"] == name)} |')
     return '\n'.join(lines) + '\n'
 
 
