@@ -105,3 +105,25 @@ def test_mixing_stats() -> None:
     assert mixing_stats(torch.full((4, 16), -0.3)) == (0.25, 16.0)
     own, used = mixing_stats(concatenate + 0.5 * torch.roll(concatenate, 4, dims=1))  # a quarter of it elsewhere
     assert abs(own - 0.8) < 1e-12 and 4.0 < used < 8.0
+
+
+def test_logit_scale_diagnostic(tiny_fashion_mnist, tmp_path):
+    """The rescaled start weights are the trainer's own initialisation with only the mixing matrices scaled (by
+    sqrt(D / D~k) = 2 at D = 64, D~k = 16), and the cell trains from them and lands in the table."""
+    import torch
+    import timm
+    from safetensors.torch import load_file
+    import collab_vit  # noqa: F401
+    results, runs = tmp_path / 'results', tmp_path / 'runs'
+    out = run('logit_scale.py', '--seeds', '0', '--results', results, '--runs', runs, '--grid', tmp_path / 'none',
+              '--data-dir', tiny_fashion_mnist, '--train-flags', '--epochs', '1', '--batch-size', '50')
+    record = json.loads((results / 'collab_k16_rescaled-s0.json').read_text())
+    assert record['mixing_factor'] == 2.0 and record['epochs'] == 1 and '--checkpoint' in record['command']
+    assert '| 16 | collaborative, concatenate init, mixing rescaled |' in out
+    start = load_file(runs / 'starts' / 'collab_k16-s0.safetensors')
+    torch.manual_seed(0)
+    init = timm.create_model('collab_deit_tiny_patch16_224', num_classes=10, img_size=28, in_chans=1, patch_size=4,
+                             embed_dim=64, depth=4, num_heads=4, key_dim=16).state_dict()
+    assert start.keys() == init.keys()
+    for key, value in init.items():
+        torch.testing.assert_close(start[key], 2 * value if key.endswith('.mixing') else value, rtol=0, atol=0)
