@@ -248,8 +248,8 @@ class CollaborativeAttention(HeadOutput):
         proj_drop: dropout after the output projection.
         norm_layer: normalisation layer class for ``qk_norm`` / ``scale_norm``.
         mixing_init: ``"concatenate"`` (head i owns a contiguous block of shared dims; exact standard attention at
-            ``key_dim == dim``) or ``"random"`` (normal, variance ``dh / key_dim`` so logits have the scale of the
-            concatenate init).
+            ``key_dim == dim``) or ``"random"`` (normal, variance ``dh / key_dim`` so logits have the scale of
+            standard attention; below ``key_dim == dim`` the concatenate init starts ``sqrt(dim / key_dim)`` cooler).
     """
 
     fused_attn: Final[bool]
