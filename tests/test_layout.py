@@ -44,3 +44,13 @@ def test_version_agrees_with_pyproject():
     import collab_vit
     pyproject = tomllib.loads((PACKAGE.parent / 'pyproject.toml').read_text())
     assert pyproject['project']['version'] == collab_vit.__version__
+
+
+def test_license_file_matches_pyproject():
+    """The repository ships the license text pyproject declares (Apache-2.0)."""
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / 'pyproject.toml').read_text())
+    assert pyproject['project']['license'] == {'text': 'Apache-2.0'}
+    text = (PACKAGE.parent / 'LICENSE').read_text()
+    assert 'Apache License' in text and 'Version 2.0, January 2004' in text and 'END OF TERMS AND CONDITIONS' in text
