@@ -12,14 +12,13 @@ far the trained mixing matrices moved from the block structure of the concatenat
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
 import torch
-from runner import ROOT, Cell, machine, mean_std, run_cells, write_json
+from runner import ROOT, Cell, difference, initial_state, machine, mean_std, run_cells, write_json
 
 D = 64
 VARIANTS = [  # (config, attention, key dim, mixing init)
@@ -58,10 +57,6 @@ def table(records: list[dict]) -> str:
     groups = defaultdict(list)
     for r in records:
         groups[r['variant']].append(r)
-    def delta(top1: list[float], ref: list[float]) -> str:
-        (m, s), (mr, sr) = mean_std(top1), mean_std(ref)
-        return f'{m - mr:+.2f} ± {math.sqrt(s ** 2 / len(top1) + sr ** 2 / len(ref)):.2f}'
-
     base = [r['top1'] for r in groups.get('standard', [])]
     cut = {r['key_dim']: [] for r in records if r['attention'].startswith('concatenate')}
     for r in records:
@@ -78,9 +73,9 @@ def table(records: list[dict]) -> str:
             continue
         top1 = [r['top1'] for r in rs]
         m, s = mean_std(top1)
-        vs_standard = delta(top1, base) if base and name != 'standard' else ''
+        vs_standard = difference(top1, base) if base and name != 'standard' else ''
         same_dim = cut.get(rs[0]['key_dim'])
-        vs_cut = delta(top1, same_dim) if same_dim and rs[0]['attention'] == 'collaborative' else ''
+        vs_cut = difference(top1, same_dim) if same_dim and rs[0]['attention'] == 'collaborative' else ''
         minutes = mean_std([r['train_seconds'] for r in rs])[0] / 60
         lines.append(f"| {rs[0]['attention']} | {rs[0]['key_dim']} | {rs[0]['mixing_init'] or '-'} | "
                      f"{rs[0]['params'] / 1e3:.1f}k | {rs[0]['qk_params'] / 1e3:.1f}k | {m:.2f} ± {s:.2f} | {vs_standard} | {vs_cut} | "
@@ -105,23 +100,16 @@ def mixing_table(records: list[dict], runs: Path) -> str:
     """Mixing structure of the collaborative cells, trained (each run's exported weights) and at initialisation (the
     same architecture built with the run's seed, as the trainer builds it), averaged over layers and seeds; beside it
     how far training moved the mixing entries and, for comparison, the shared query projections."""
-    import timm
     from safetensors.torch import load_file
-
-    import collab_vit  # noqa: F401  (registers the models)
 
     groups = defaultdict(lambda: defaultdict(list))
     for r in records:
         path = runs / r['name'] / 'model.safetensors'
         if r['attention'] != 'collaborative' or not path.exists():
             continue
-        cfg = r['config']
-        torch.manual_seed(r['seed'])
-        init = timm.create_model(cfg['model'], num_classes=cfg['num_classes'], img_size=cfg['img_size'],
-                                 in_chans=cfg['in_chans'], **cfg['model_kwargs']).state_dict()
-        trained = load_file(path)
+        init, trained = initial_state(r['config'], r['seed']), load_file(path)
         g = groups[r['variant']]
-        g['heads'] = [cfg['model_kwargs']['num_heads']]
+        g['heads'] = [r['config']['model_kwargs']['num_heads']]
         for key in sorted(k for k in trained if k.endswith('.attn.mixing')):
             g['init'].append(mixing_stats(init[key]))
             g['trained'].append(mixing_stats(trained[key]))
@@ -200,11 +188,12 @@ def main() -> None:
     records = run_cells(cells(args.seeds, args.config_dir, extra, args.variants), args.results, args.runs, args.jobs)
     (args.results / 'table.md').write_text(table(records))
     plot(records, args.results / 'top1_vs_key_dim.png')
-    (args.results / 'mixing.md').write_text(mixing_table(records, args.runs))
+    mixing = mixing_table(records, args.runs)
+    (args.results / 'mixing.md').write_text(mixing)
     write_json(args.results / 'summary.json', {'machine': machine(), 'cells': len(records),
                                                'wall_seconds_sum': sum(r['seconds'] for r in records)})
     print(table(records))
-    print(mixing_table(records, args.runs))
+    print(mixing)
     print(f'wrote {args.results}/table.md, top1_vs_key_dim.png and mixing.md')
 
 

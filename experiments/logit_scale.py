@@ -21,35 +21,24 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
-from runner import ROOT, Cell, mean_std, run_cells, write_json
+from runner import ROOT, Cell, difference, initial_state, mean_std, run_cells, write_json
 
 
 def scaled_start(config: str, seed: int, path: Path) -> float:
     """Write the start weights of ``config`` at ``seed`` with the mixing matrices scaled to the cut baseline's logit
     scale; return the factor."""
-    import timm
     sys.path.insert(0, str(ROOT))
-    import collab_vit  # noqa: F401  (registers the models)
     from collab_vit.training.config import build_config
     from collab_vit.weights_io import export_safetensors
 
     cfg = build_config(str(ROOT / config))
-    kwargs = dict(cfg.model_kwargs)
-    if cfg.in_chans != 3:
-        kwargs['in_chans'] = cfg.in_chans
-    torch.manual_seed(seed)  # what the trainer's timm.utils.random_seed(seed, rank 0) does for torch
-    model = timm.create_model(cfg.model, num_classes=cfg.num_classes, img_size=cfg.img_size, **kwargs)
-    heads, key_dim = kwargs['num_heads'], kwargs['key_dim']
-    factor = math.sqrt(kwargs['embed_dim'] / key_dim)  # sqrt(dh * heads / D~k), dh = embed_dim / heads
-    with torch.no_grad():
-        for block in model.blocks:
-            assert block.attn.mixing.shape == (heads, key_dim)
-            block.attn.mixing.mul_(factor)
+    state = initial_state(cfg.to_dict(), seed)
+    kwargs = cfg.model_kwargs
+    factor = math.sqrt(kwargs['embed_dim'] / kwargs['key_dim'])  # sqrt(dh * heads / D~k), dh = embed_dim / heads
+    state = {k: v * factor if k.endswith('.attn.mixing') else v for k, v in state.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    export_safetensors(model.state_dict(), str(path), cfg.model,
-                       {**kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes})
+    export_safetensors(state, str(path), cfg.model, {**kwargs, 'in_chans': cfg.in_chans, 'img_size': cfg.img_size,
+                                                     'num_classes': cfg.num_classes})
     return factor
 
 
@@ -70,10 +59,7 @@ def table(records: list[dict], grid: Path) -> str:
             if not top1:
                 continue
             m, s = mean_std(top1)
-            delta = ''
-            if cut and 'cut' not in name:
-                mc, sc = mean_std(cut)
-                delta = f'{m - mc:+.2f} ± {math.sqrt(s ** 2 / len(top1) + sc ** 2 / len(cut)):.2f}'
+            delta = difference(top1, cut) if cut and 'cut' not in name else ''
             lines.append(f'| {key_dim} | {name} | {scale} | {m:.2f} ± {s:.2f} | {delta} | {len(top1)} |')
     return '\n'.join(lines) + '\n'
 

@@ -7,6 +7,7 @@ run directory is only read, and a run with an epoch checkpoint (``last.pth``) co
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -156,3 +157,24 @@ def write_json(path: Path, obj: Any) -> None:
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def difference(values: Sequence[float], reference: Sequence[float]) -> str:
+    """Difference of the means with its standard error ``sqrt(s1^2/n1 + s2^2/n2)``, as '+0.12 ± 0.34'."""
+    (m, s), (mr, sr) = mean_std(values), mean_std(reference)
+    return f'{m - mr:+.2f} ± {math.sqrt(s ** 2 / len(values) + sr ** 2 / len(reference)):.2f}'
+
+
+def initial_state(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The weights a training run of ``config`` (a resolved config: model, model_kwargs, num_classes, img_size,
+    in_chans) starts from at ``seed``: seeded and built as the trainer does (timm's ``random_seed``, then the
+    package's ``build_model``)."""
+    from timm.utils import random_seed
+    sys.path.insert(0, str(ROOT))
+    from collab_vit.training.model_factory import build_model
+    kwargs = dict(config['model_kwargs'])
+    if config.get('in_chans', 3) != 3:
+        kwargs['in_chans'] = config['in_chans']
+    random_seed(seed, 0)
+    return build_model(config['model'], config['num_classes'], config['img_size'], config.get('drop_path', 0.0),
+                       kwargs).state_dict()
