@@ -6,6 +6,10 @@ SDPA's math kernel vs timm's 64/64 SDPA, and the bytes autograd saves. Layer: on
 ``CollaborativeAttention`` (new and previous path) vs timm's ``Attention``. Short runs: median of ``--repeats``.
 
     PYTHONPATH=. python benchmarks/attention_core_bench.py --repeats 5
+    PYTHONPATH=. python benchmarks/attention_core_bench.py --choices --repeats 5   # the CPU heuristics' choices
+
+``--choices`` times both sides of each CPU heuristic (``flash_pays``, ``pad_pays``, ``CHUNK_BYTES``) at the sizes
+where it decides, so a threshold can be checked on another CPU (issue #17).
 """
 import argparse
 import statistics
@@ -20,7 +24,7 @@ from timm.layers import Attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from collab_vit import CollaborativeAttention
-from collab_vit.layers import attention
+from collab_vit.layers import attention, attention_core
 from collab_vit.layers.attention_core import CollaborativeCore, equal_head_dims
 from measure import saved_activation_bytes
 
@@ -151,13 +155,75 @@ class PreviousCore:
         return sdpa_recomputing(q, mixing, k, v, scale, mask, False, 0.)
 
 
+def flash_choice_rows(repeats: int) -> list[str]:
+    """``flash_pays``: the core's forward with CPU flash (padded) forced on vs off, per key dim."""
+    torch.manual_seed(0)
+    rows = []
+    for key_dim in (64, 128, 192, 256, 384, 768):
+        q, k = torch.randn(B, N, key_dim), torch.randn(B, N, key_dim)
+        mixing, mask, v = torch.randn(H, key_dim), torch.randn(B, H, 1, N), torch.randn(B, H, N, D)
+        times = {}
+        for flash in (True, False):
+            with mock.patch.object(attention_core, "flash_pays", lambda *_, f=flash: f), torch.no_grad():
+                times[flash] = median_ms(lambda: CollaborativeCore.apply(q, mixing, k, v, mask, 0.125), repeats)
+        rows.append(f"| {key_dim} | {times[True]:.1f} | {times[False]:.1f} | "
+                    f"{'flash' if attention_core.flash_pays(key_dim, D) else 'grouped bmm'} |")
+    return rows
+
+
+def pad_choice_rows(repeats: int) -> list[str]:
+    """``pad_pays``: ``fused_attend`` without gradients, padded CPU flash vs the explicit product, per q/k head dim."""
+    torch.manual_seed(0)
+    rows = []
+    for qk in (8, 16, 32, 64, 128, 256):
+        q, k, v = torch.randn(B, H, N, qk), torch.randn(B, H, N, qk), torch.randn(B, H, N, D)
+        times = {}
+        for pad in (True, False):
+            with mock.patch.object(attention, "pad_pays", lambda *_, p=pad: p), torch.no_grad():
+                times[pad] = median_ms(lambda: attention.fused_attend(q, k, v, qk ** -0.5, None, False, 0.), repeats)
+        rows.append(f"| {qk} | {times[True]:.1f} | {times[False]:.1f} | "
+                    f"{'padded flash' if attention_core.pad_pays(qk, D) else 'explicit'} |")
+    return rows
+
+
+def chunk_choice_rows(repeats: int) -> list[str]:
+    """``CHUNK_BYTES``: one k192 layer's forward and train step at several chunk sizes (whole batch = no chunks)."""
+    torch.manual_seed(0)
+    x, layer = torch.randn(B, N, 768), CollaborativeAttention(768, H, key_dim=192, qkv_bias=True)
+    rows = []
+    for label, size in (("2 MB", 2 << 20), ("4 MB (default)", 4 << 20), ("8 MB", 8 << 20), ("32 MB", 32 << 20),
+                        ("whole batch", 1 << 40)):
+        with mock.patch.object(attention_core, "CHUNK_BYTES", size):
+            def infer() -> None:
+                with torch.no_grad():
+                    layer(x)
+            rows.append(f"| {label} | {median_ms(infer, repeats):.1f} | "
+                        f"{median_ms(lambda: layer(x).sum().backward(), repeats):.1f} |")
+    return rows
+
+
+def print_choices(repeats: int) -> None:
+    print("flash_pays (core forward, B=16, Nh=12, N=197, v 64)\n\n| D~k | flash ms | grouped bmm ms | chosen |\n"
+          "|---:|---:|---:|---|")
+    print("\n".join(flash_choice_rows(repeats)), flush=True)
+    print("\npad_pays (fused_attend, no grad, v 64)\n\n| q/k head dim | padded flash ms | explicit ms | chosen |\n"
+          "|---:|---:|---:|---|")
+    print("\n".join(pad_choice_rows(repeats)), flush=True)
+    print("\nCHUNK_BYTES (k192 layer, dim 768)\n\n| chunk | forward ms | train step ms |\n|---|---:|---:|")
+    print("\n".join(chunk_choice_rows(repeats)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--key-dims", type=int, nargs="+", default=[768, 384, 192])
     parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--choices", action="store_true", help="time both sides of each CPU heuristic instead")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    if args.choices:
+        print_choices(args.repeats)
+        return
     print("| key dim | core | forward ms | fwd+bwd ms | saved MiB |\n|---:|---|---:|---:|---:|")
     for key_dim in args.key_dims:
         print("\n".join(core_rows(key_dim, args.repeats)), flush=True)
