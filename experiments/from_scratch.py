@@ -32,13 +32,17 @@ VARIANTS = [  # (config, attention, key dim, mixing init)
     ('concat_k32', 'concatenate (reduced)', D // 2, ''),
     ('concat_k16', 'concatenate (reduced)', D // 4, ''),
     ('concat_k8', 'concatenate (reduced)', D // 8, ''),
+    # issue 21: one dim per head, where cutting may cost accuracy; the mixing lr multiplier (configs say the rule)
+    ('concat_k4', 'concatenate (reduced)', D // 16, ''),
+    ('collab_k4_random', 'collaborative', D // 16, 'random'),
+    ('collab_k4_random_mixlr', 'collaborative', D // 16, 'random, mixing lr x100'),
 ]
 
 
 def tier(variant: tuple) -> int:
     """Run order: the issue's required grid (D, D/2, D/4) first, then D/8, then the random mixing init."""
     name, _, key_dim, init = variant
-    return 2 if init == 'random' else 1 if key_dim == D // 8 else 0
+    return 3 if key_dim == D // 16 else 2 if init == 'random' else 1 if key_dim == D // 8 else 0
 
 
 def cells(seeds: list[int], config_dir: str, extra: list[str], only: Optional[list[str]] = None) -> list[Cell]:
@@ -46,7 +50,7 @@ def cells(seeds: list[int], config_dir: str, extra: list[str], only: Optional[li
     chosen = [v for v in VARIANTS if not only or v[0] in only]
     return [Cell(f'{name}-s{seed}', f'{config_dir}/{name}.yaml', seed, list(extra),
                  {'variant': name, 'attention': attention, 'key_dim': key_dim, 'mixing_init': init})
-            for t in (0, 1, 2) for seed in seeds
+            for t in (0, 1, 2, 3) for seed in seeds
             for name, attention, key_dim, init in chosen if tier((name, attention, key_dim, init)) == t]
 
 
@@ -143,6 +147,7 @@ def plot(records: list[dict], path: Path) -> None:
     ax = fig.add_subplot()
     series = [('collaborative', 'concatenate', 'collaborative (concatenate init)', 'C0', 'o'),
               ('collaborative', 'random', 'collaborative (random init)', 'C2', 's'),
+              ('collaborative', 'random, mixing lr x100', 'collaborative (random init, mixing lr x100)', 'C1', 'D'),
               ('concatenate (reduced)', '', 'standard, key dim cut', 'C3', 'v')]
     for attention, init, label, color, marker in series:
         by_dim = defaultdict(list)
@@ -162,7 +167,8 @@ def plot(records: list[dict], path: Path) -> None:
         m, s = mean_std(standard)
         ax.axhspan(m - s, m + s, color='0.8', alpha=0.6, lw=0, label=f'standard attention, Dk = {D} (± std)')
     ax.set_xscale('log', base=2)
-    ax.set_xticks([D // 8, D // 4, D // 2, D], [str(k) for k in (D // 8, D // 4, D // 2, D)])
+    ticks = sorted({D // 8, D // 4, D // 2, D} | {r['key_dim'] for r in records})
+    ax.set_xticks(ticks, [str(k) for k in ticks])
     ax.set_xlabel('key/query dim (shared dims for collaborative; all heads together for standard)')
     ax.set_ylabel('Fashion-MNIST top-1 (%)')
     ax.set_title('Trained from scratch: top-1 vs key/query dim (mean ± std over seeds)')

@@ -68,6 +68,7 @@ class TrainConfig:
     lr_base_batch: int = 512
     weight_decay: float = 0.05
     layer_decay: float = 0.0  # layer-wise lr decay (BEiT/timm), e.g. 0.65 for fine-tuning; 0 disables
+    mixing_lr_scale: float = 1.0  # lr multiplier of the mixing matrices (param-group lr_scale; training/optim.py)
     opt_eps: float = 1e-8
     momentum: float = 0.9
     clip_grad: float = 0.0  # 0 disables
@@ -225,7 +226,7 @@ RANGES: Tuple[Tuple[str, float, Optional[float], bool], ...] = (
     ('hflip', 0.0, 1.0, False), ('mixup', 0.0, None, False), ('cutmix', 0.0, None, False),
     ('mixup_prob', 0.0, 1.0, False), ('crop_pct', 0.0, None, True), ('model_ema_decay', 0.0, 1.0, False),
     ('repeated_aug', 0, None, False), ('checkpoint_every', 0, None, False), ('eval_every', 0, None, False),
-    ('stop_after', 0, None, False), ('max_nonfinite_skips', 1, None, False),
+    ('stop_after', 0, None, False), ('max_nonfinite_skips', 1, None, False), ('mixing_lr_scale', 0.0, None, True),
 )
 
 

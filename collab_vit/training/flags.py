@@ -69,6 +69,8 @@ GROUPS: Dict[str, Dict[str, str]] = {
         'lr_base_batch': 'global batch at which lr is given',
         'weight_decay': 'weight decay (none on norms, biases, position embedding, class token, mixing matrices)',
         'layer_decay': 'layer-wise learning-rate decay (e.g. 0.65 for fine-tuning); 0 disables',
+        'mixing_lr_scale': 'learning-rate multiplier of the mixing matrices (param-group lr_scale; composes with '
+                           'layer_decay); 1 leaves timm\'s groups unchanged',
         'opt_eps': 'optimizer epsilon',
         'momentum': 'SGD momentum',
         'clip_grad': 'gradient clipping threshold; 0 disables',

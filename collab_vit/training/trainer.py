@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, NativeScaler, random_seed
 from torch.nn.parallel import DistributedDataParallel
@@ -27,6 +26,7 @@ from .distributed import (DistInfo, all_reduce_sum, barrier, broadcast_object, c
 from .errors import ConfigError, DataError
 from .loops import NonFiniteLossError, autocast_context, evaluate, train_one_epoch
 from .model_factory import build_model, fit_state, load_weights
+from .optim import build_optimizer
 from .logger import RunLogger
 from .preemption import SAMPLE_ORDER, StopRequest, make_skippable
 
@@ -192,8 +192,9 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     lr = cfg.lr * global_batch / cfg.lr_base_batch
     opt_kwargs = {} if cfg.opt.lower().endswith(('sgd', 'momentum')) else {'eps': cfg.opt_eps}
     # timm's groups: no decay for 1-D params and model.no_weight_decay() (which names the mixing matrices)
-    optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                                    layer_decay=cfg.layer_decay or None, **opt_kwargs)
+    optimizer = build_optimizer(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                                layer_decay=cfg.layer_decay or None, mixing_lr_scale=cfg.mixing_lr_scale,
+                                **opt_kwargs)
     use_cuda_amp = cfg.amp and device.type == 'cuda'
     loss_scaler = NativeScaler(device='cuda') if use_cuda_amp and cfg.amp_dtype in ('float16', 'fp16') else None
     autocast = autocast_context(device, cfg.amp, cfg.amp_dtype)
