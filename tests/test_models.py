@@ -9,7 +9,7 @@ import torch
 
 import collab_vit
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS
+from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS, GENERIC_MODEL
 from numerics import assert_within, vit_chain
 
 TINY = dict(img_size=32, patch_size=8, num_classes=7)  # small inputs keep the suite fast
@@ -59,7 +59,7 @@ def test_reparametrize_errors() -> None:
 
 
 def test_registry_lists_every_model() -> None:
-    assert set(timm.list_models("*collab*")) == set(COLLAB_MODELS)
+    assert set(timm.list_models("*collab*")) == set(COLLAB_MODELS) | {GENERIC_MODEL}
     assert set(timm.list_models("concat_*")) == set(CONCAT_MODELS)
     assert len(COLLAB_MODELS) == 12 and len(CONCAT_MODELS) == 9
 
@@ -150,6 +150,6 @@ def test_each_model_has_its_own_register_function_and_deit_eval_crop() -> None:
     from collab_vit.training.config import TrainConfig
 
     source = inspect.getsource(models)
-    for name in COLLAB_MODELS + CONCAT_MODELS:
+    for name in COLLAB_MODELS + CONCAT_MODELS + [GENERIC_MODEL]:
         assert f"\ndef {name}(" in source
         assert timm.create_model(name, device="meta").pretrained_cfg["crop_pct"] == TrainConfig().crop_pct == 0.875

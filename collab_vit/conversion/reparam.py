@@ -18,6 +18,7 @@ from timm.layers import Attention
 from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention, check_key_dim
+from ..layers.weight_decay import exclude_mixing_from_decay
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
 
@@ -190,6 +191,7 @@ def reparametrize_layers(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, layer)
         reports.append(LayerReport(name, rank, tensor_error, output_error, seconds))
+    exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
     return reports
 
 
