@@ -4,7 +4,8 @@
 registered entry point; ``model_args``: every keyword it needs, the per-layer key dims included; ``pretrained_cfg``:
 the evaluation pipeline the model carries, i.e. its source's) and ``DIR/model.safetensors``. After
 ``import collab_vit``, ``timm.create_model("local-dir:DIR", pretrained=True)`` rebuilds the model with identical
-outputs; ``timm.models.push_to_hf_hub`` publishes the same files, and ``hf-hub:USER/REPO`` loads them back.
+outputs; ``push_to_hf_hub(model, "USER/REPO")`` publishes the same files through timm's ``push_to_hf_hub``, and
+``hf-hub:USER/REPO`` loads them back.
 
 The architecture: the model's own registered name (``collab_deit_*``, ``concat_deit_*``, ``collab_vit_generic``),
 else ``collab_deit_{size}_patch16_224`` for a converted timm DeiT, else ``collab_vit_generic`` (any timm
@@ -19,13 +20,14 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import timm
 import torch
 import torch.nn as nn
 from timm.layers import GluMlp, LayerScale, Mlp, SwiGLU
-from timm.models import VisionTransformer, save_for_hf
+from timm.models import VisionTransformer, push_to_hf_hub as timm_push_to_hf_hub, save_for_hf
 
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import COLLAB_MODELS, CONCAT_MODELS, GENERIC_MODEL
@@ -148,6 +150,31 @@ def _rebuilt_matches(model: nn.Module, name: str, args: dict[str, Any]) -> Optio
     return None
 
 
+@contextmanager
+def _described(model: nn.Module, data_config: Optional[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Check that ``model`` can be described (else a one-line ValueError), then, for the block, give it the
+    ``pretrained_cfg`` timm's ``save_for_hf`` records (architecture ours, the pipeline its source's or
+    ``data_config``'s) and no factory arguments of its source; yields the ``model_args``."""
+    name, args = describe(model)
+    why = _rebuilt_matches(model, name, args)
+    if why is not None:
+        raise ValueError(f"save_pretrained cannot describe this {type(model).__name__} for timm: {why}")
+    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    cfg.update({k: tuple(v) if isinstance(v, list) else v for k, v in (data_config or {}).items() if k in EVAL_KEYS})
+    cfg.update(architecture=name, num_classes=model.num_classes)
+    cfg.setdefault("input_size", (args["in_chans"], *args["img_size"]))
+    saved = {k: getattr(model, k) for k in ("pretrained_cfg", "_model_args") if k in model.__dict__}
+    try:
+        model.pretrained_cfg, model._model_args = cfg, {}  # what timm reads: ours only, not the source's kwargs
+        yield args
+    finally:
+        for key in ("pretrained_cfg", "_model_args"):
+            if key in saved:
+                setattr(model, key, saved[key])
+            elif key in model.__dict__:
+                delattr(model, key)
+
+
 def save_pretrained(model: nn.Module, directory: str, data_config: Optional[dict[str, Any]] = None) -> str:
     """Write ``model`` to ``directory`` in timm's hub layout (module docstring); returns the architecture name.
 
@@ -158,31 +185,27 @@ def save_pretrained(model: nn.Module, directory: str, data_config: Optional[dict
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"save_pretrained: {directory} exists and is not a folder")
-    name, args = describe(model)
-    why = _rebuilt_matches(model, name, args)
-    if why is not None:
-        raise ValueError(f"save_pretrained cannot describe this {type(model).__name__} for timm: {why}")
-    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
-    cfg.update({k: tuple(v) if isinstance(v, list) else v for k, v in (data_config or {}).items() if k in EVAL_KEYS})
-    cfg.update(architecture=name, num_classes=model.num_classes)
-    cfg.setdefault("input_size", (args["in_chans"], *args["img_size"]))
-    saved = {k: getattr(model, k) for k in ("pretrained_cfg", "_model_args") if k in model.__dict__}
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(directory))}.", dir=parent)
-    try:
-        model.pretrained_cfg, model._model_args = cfg, {}  # what timm reads: ours only, not the source's kwargs
-        save_for_hf(model, staging, model_args=args, safe_serialization=True)
-        if not os.path.exists(directory):
-            os.rename(staging, directory)
-        else:
-            for file in (HUB_WEIGHTS, HUB_CONFIG):
-                os.replace(os.path.join(staging, file), os.path.join(directory, file))
-    finally:
-        for key in ("pretrained_cfg", "_model_args"):
-            if key in saved:
-                setattr(model, key, saved[key])
-            elif key in model.__dict__:
-                delattr(model, key)
-        shutil.rmtree(staging, ignore_errors=True)
-    return name
+    with _described(model, data_config) as args:
+        parent = os.path.dirname(os.path.abspath(directory))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(directory))}.", dir=parent)
+        try:
+            save_for_hf(model, staging, model_args=args, safe_serialization=True)
+            if not os.path.exists(directory):
+                os.rename(staging, directory)
+            else:
+                for file in (HUB_WEIGHTS, HUB_CONFIG):
+                    os.replace(os.path.join(staging, file), os.path.join(directory, file))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return model.pretrained_cfg["architecture"]
+
+
+def push_to_hf_hub(model: nn.Module, repo_id: str, data_config: Optional[dict[str, Any]] = None,
+                   **kwargs: Any) -> Any:
+    """timm's ``push_to_hf_hub`` of the files ``save_pretrained`` writes (same check, same ``config.json``, only
+    ``model.safetensors`` unless ``safe_serialization`` says otherwise); ``kwargs`` go to timm's function
+    (``token``, ``private``, ``commit_message``, ``model_card``, ...)."""
+    with _described(model, data_config) as args:
+        kwargs.setdefault("safe_serialization", True)
+        return timm_push_to_hf_hub(model, repo_id, model_args=args, **kwargs)

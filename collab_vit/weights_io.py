@@ -142,6 +142,16 @@ HUB_CONFIG, HUB_WEIGHTS = 'config.json', 'model.safetensors'
 EVAL_KEYS = ('input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')  # a pretrained_cfg's pipeline
 
 
+def model_pipeline(model: Any) -> Dict[str, Any]:
+    """The evaluation pipeline ``model`` carries (its ``pretrained_cfg``: timm's cfg of the weights it was created
+    with, kept through a conversion), at its own input size, as JSON-able lists: what a converted file records."""
+    cfg = dict(getattr(model, 'pretrained_cfg', None) or {})
+    patch_embed = getattr(model, 'patch_embed', None)
+    if patch_embed is not None and getattr(patch_embed, 'img_size', None):
+        cfg['input_size'] = (patch_embed.proj.in_channels, *patch_embed.img_size)
+    return {k: list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k] for k in EVAL_KEYS if cfg.get(k) is not None}
+
+
 def parse_metadata(raw: Dict[str, str], path: str) -> Dict[str, Any]:
     """A safetensors file's metadata with its JSON entries decoded; a WeightsError where one is not JSON."""
     meta = {}

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from safetensors.torch import load_file
+from timm.models import _hub
 from timm.optim import create_optimizer_v2
 
 import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.layers.weight_decay import CollabVisionTransformer
+from collab_vit.training.eval_cli import main as eval_main
 from collab_vit.training.model_factory import load_weights
 
 TINY = dict(img_size=32, patch_size=8, depth=2, num_classes=7)
@@ -125,3 +128,41 @@ def test_train_checkpoint_takes_the_folder(tmp_path: Path) -> None:
     meta = load_weights(fresh, str(tmp_path / "m"))
     assert meta["model_name"] == "collab_deit_tiny_patch16_224_k48"
     assert_same_outputs(model, fresh)
+
+
+class OfflineHub:
+    """Stands in for ``huggingface_hub.HfApi`` in timm's ``push_to_hf_hub``: keeps a copy of the uploaded folder."""
+    uploaded: dict = {}
+
+    def __init__(self, **kwargs) -> None:
+        pass
+
+    def create_repo(self, repo_id: str, **kwargs):
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def file_exists(self, **kwargs) -> bool:
+        return True  # a model card exists: timm writes none
+
+    def upload_folder(self, repo_id: str, folder_path: str, **kwargs) -> str:
+        OfflineHub.uploaded = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
+        return f"https://huggingface.co/{repo_id}"
+
+
+def test_push_to_hf_hub_publishes_the_saved_folder(tmp_path: Path, monkeypatch) -> None:
+    """``collab_vit.push_to_hf_hub`` uploads what ``save_pretrained`` writes (the hub itself is offline here)."""
+    monkeypatch.setattr(_hub, "HfApi", OfflineHub)
+    model = converted("vit_small_patch16_224", reg_tokens=1)
+    collab_vit.save_pretrained(model, str(tmp_path / "m"))
+    collab_vit.push_to_hf_hub(model, "user/model")
+    assert set(OfflineHub.uploaded) == {"config.json", "model.safetensors"}
+    assert json.loads(OfflineHub.uploaded["config.json"]) == json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "pushed.safetensors").write_bytes(OfflineHub.uploaded["model.safetensors"])
+    pushed, saved = load_file(str(tmp_path / "pushed.safetensors")), load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert pushed.keys() == saved.keys() and all(torch.equal(pushed[k], saved[k]) for k in saved)
+
+
+def test_eval_of_a_folder_without_config_is_one_line(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    assert eval_main(["--checkpoint", str(tmp_path / "empty"), "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "without config.json" in err and "\n" not in err
