@@ -96,3 +96,17 @@ def test_source_and_conversions_get_identical_transforms(deit_file: str, tmp_pat
         assert results["data_config"] == first["data_config"] and other_transform == transform
     assert "Resize(size=35" in transform  # 32 / 0.9, bicubic: timm's DeiT evaluation, not DeiT's 0.875 (36)
     assert runs[1][0]["model"] == runs[2][0]["model"] == "collab_deit_tiny_patch16_224"
+
+
+def test_data_config_from_another_checkpoint(deit_file: str, tmp_path: Path, monkeypatch) -> None:
+    """``--data-config-from`` (the post-hoc table's fine-tuned row): the weights of one checkpoint, the pipeline of
+    another; one that records none is a one-line error."""
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=1, val_per_class=2, size=48)
+    model = collab_vit.reparametrize(from_file("deit_tiny_patch16_224", deit_file), progress=False)
+    collab_vit.save_pretrained(model, str(tmp_path / "source"))
+    collab_vit.save_pretrained(model, str(tmp_path / "other"), data_config=dict(crop_pct=0.5))
+    results, transform = evaluated(tmp_path, data, monkeypatch, "--checkpoint", str(tmp_path / "other"),
+                                   "--data-config-from", str(tmp_path / "source"))
+    assert results["data_config"]["crop_pct"] == 0.9 and "Resize(size=35" in transform
+    assert eval_cli.main(["--checkpoint", str(tmp_path / "other"), "--data-dir", data,
+                          "--data-config-from", deit_file]) == 2

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "model's pretrained cfg (timm's DeiT weights: 0.9; our models from scratch: 0.875)")
     data.add_argument('--mean', type=float, nargs='+', default=None, help='default: as recorded, else the model\'s')
     data.add_argument('--std', type=float, nargs='+', default=None, help='default: as recorded, else the model\'s')
+    data.add_argument('--data-config-from', default='', metavar='CHECKPOINT',
+                      help="evaluate with the pipeline another checkpoint records (file or folder), e.g. a "
+                           "fine-tuned model scored with its conversion's (= its source's) pipeline")
     data.add_argument('-b', '--batch-size', type=int, default=128)
     data.add_argument('-j', '--workers', type=int, default=4, help='data-loader worker processes')
     run = p.add_argument_group('run')
@@ -127,7 +130,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                             conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
         model.to(dist_info.device)
 
-        data_cfg = eval_pipeline(args, meta.get('data_config'), model)
+        recorded = meta.get('data_config')
+        if args.data_config_from:
+            recorded = read_weights(args.data_config_from)[1].get('data_config')
+            if not recorded:
+                raise ConfigError(f'--data-config-from {args.data_config_from} records no data config')
+        data_cfg = eval_pipeline(args, recorded, model)
         dataset = build_dataset(args.dataset, args.data_dir, args.split, is_training=False,
                                 download=args.dataset_download)
         loader = build_eval_loader(dataset, data_cfg, args.batch_size, args.workers, dist_info)
