@@ -106,13 +106,16 @@ def describe(model: nn.Module) -> tuple[str, dict[str, Any]]:
         init_values=1e-5 if isinstance(block.ls1, LayerScale) else None,  # the value only initialises (weights load)
         class_token=model.cls_token is not None, pos_embed="learn" if model.pos_embed is not None else "none",
         no_embed_class=model.no_embed_class, reg_tokens=model.num_reg_tokens, pre_norm=not _identity(model.norm_pre),
-        final_norm=has_fc_norm or has_norm, fc_norm=has_fc_norm, pool_include_prefix=model.pool_include_prefix,
-        dynamic_img_size=model.dynamic_img_size, dynamic_img_pad=model.patch_embed.dynamic_img_pad,
+        final_norm=has_fc_norm or has_norm, fc_norm=has_fc_norm,
+        pool_include_prefix=getattr(model, "pool_include_prefix", False), dynamic_img_size=model.dynamic_img_size,
+        dynamic_img_pad=getattr(model.patch_embed, "dynamic_img_pad", False),
         norm_layer=norm_layer, norm_eps=norm_eps, act_layer=act, mlp_layer=mlp_layer,
         key_dim=key_dims[0] if len(set(key_dims)) == 1 else key_dims,
     )
     defaults = {**_vit_defaults(), "norm_layer": "layernorm", "norm_eps": 1e-6, "act_layer": "gelu", "mlp_layer": "mlp"}
     defaults["global_pool"], defaults["pos_embed"] = "token", "learn"
+    for key in ("pool_include_prefix", "scale_attn_norm", "scale_mlp_norm", "dynamic_img_pad"):
+        defaults.setdefault(key, False)  # keywords newer than some timm versions: recorded only when used
     args = {k: v for k, v in args.items() if k in ALWAYS or k not in defaults or v != defaults[k]}
     name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", "")
     collaborative = isinstance(first, CollaborativeAttention)
@@ -130,7 +133,7 @@ def _rebuilt_matches(model: nn.Module, name: str, args: dict[str, Any]) -> Optio
     source = copy.deepcopy(model).float().cpu().eval()
     try:
         rebuilt = timm.create_model(name, **args).eval()
-    except (TypeError, ValueError, AssertionError) as e:
+    except (TypeError, ValueError, KeyError, AssertionError, RuntimeError) as e:
         return f"{name} does not take the recorded arguments ({str(e).strip().splitlines()[0]})"
     own, recorded = source.state_dict(), rebuilt.state_dict()
     wrong = [k for k in own.keys() | recorded.keys() if k not in own or k not in recorded

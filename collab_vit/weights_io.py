@@ -189,7 +189,11 @@ def read_hub_folder(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]
         architecture = config['architecture']
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise WeightsError(f'{os.path.abspath(config_path)} is not a timm model config ({_first_line(e)})') from None
-    state, _ = load_safetensors(os.path.join(path, HUB_WEIGHTS))
+    weights = os.path.join(path, HUB_WEIGHTS)
+    if not os.path.isfile(weights) and os.path.isfile(os.path.join(path, 'pytorch_model.bin')):
+        state = extract_state_dict(torch_load(os.path.join(path, 'pytorch_model.bin')))  # timm's other layout
+    else:
+        state, _ = load_safetensors(weights)
     pretrained_cfg = config.get('pretrained_cfg') or {}
     meta = {'model_name': architecture, 'model_kwargs': dict(config.get('model_args') or {}),
             'data_config': {k: pretrained_cfg[k] for k in EVAL_KEYS if pretrained_cfg.get(k) is not None}}

@@ -166,3 +166,17 @@ def test_eval_of_a_folder_without_config_is_one_line(tmp_path: Path, capsys) -> 
     assert eval_main(["--checkpoint", str(tmp_path / "empty"), "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "without config.json" in err and "\n" not in err
+
+
+def test_model_name_local_dir_builds_the_folders_architecture(tmp_path: Path) -> None:
+    """``train.py --model local-dir:DIR --checkpoint DIR``: the architecture from the folder, then its weights."""
+    from collab_vit.training.errors import ConfigError
+    from collab_vit.training.model_factory import build_model
+
+    model = converted("vit_small_patch16_224", reg_tokens=1)
+    collab_vit.save_pretrained(model, str(tmp_path / "m"))
+    fresh = build_model(f"local-dir:{tmp_path / 'm'}", 7, 32).eval()
+    load_weights(fresh, str(tmp_path / "m"))
+    assert_same_outputs(model, fresh)
+    with pytest.raises(ConfigError, match="unknown model"):
+        build_model("no/such/folder", 7)
