@@ -254,7 +254,8 @@ def _evaluate_epoch(cfg: TrainConfig, run: RunParts, point: ResumePoint, epoch: 
     dist_info = run.step.dist_info
     if epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0:
         point.metrics = evaluate(run.model, run.val_loader, dist_info, run.val_samples, run.step.autocast)
-        record.update(top1=point.metrics['top1'], top5=point.metrics['top5'], val_loss=point.metrics['loss'])
+        record.update(top1=point.metrics['top1'], top5=point.metrics['top5'], val_loss=point.metrics['loss'],
+                      val_samples=point.metrics['num_samples'])
         if run.evaluate_ema:
             ema = evaluate(run.step.model_ema.module, run.val_loader, dist_info, run.val_samples, run.step.autocast)
             record.update(ema_top1=ema['top1'], ema_top5=ema['top5'], ema_val_loss=ema['loss'])
