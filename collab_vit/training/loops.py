@@ -100,7 +100,7 @@ class DeviceTally:
     def add(self, loss: torch.Tensor, n: int, update: int, batch: int) -> None:
         loss = loss.detach().double()
         finite = torch.isfinite(loss)
-        self.sums += torch.stack((torch.where(finite, loss * n, 0.0), finite * float(n), (~finite).double()))
+        self.sums += torch.stack((torch.where(finite, loss * n, 0.0), finite.double() * n, (~finite).double()))
         new = (~finite) & (self.first[0] < 0)
         self.first[0:1].masked_fill_(new, float(update))  # scalars go in as kernel arguments: no copy, no read
         self.first[1:2].masked_fill_(new, float(batch))
@@ -190,14 +190,14 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
         samples, batches = samples + images.shape[0], batches + 1
         if not need_update:
             continue
-        if window_skipped:
-            parts.optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
-            window_skipped = False
-        else:
+        updated, window_skipped = not window_skipped, False
+        if updated:
             num_updates += 1
             _after_update(model, parts, num_updates)
+        else:
+            parts.optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
         stop_here = parts.stop_request is not None and parts.stop_request.requested()
-        if num_updates % max(parts.log_interval, 1) == 0 or i + 1 == num_batches or \
+        if (updated and num_updates % max(parts.log_interval, 1) == 0) or i + 1 == num_batches or \
                 (stop_here and not dist_info.distributed):
             totals, read_at = _checked_read(tally, stop_here, samples, epoch, num_batches, bar), i
             if lines or not bar.disable:
@@ -206,14 +206,15 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
                 parts.stop_request.agree(stop_here)
                 break
     bar.close()
-    if read_at is None or read_at != i:  # the loader ended early (an iterable data set): the checks still run before any save
+    if read_at != i:  # the loader ended before len(loader) batches (an iterable set): read before any save
         totals = _checked_read(tally, False, samples, epoch, num_batches, bar)
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    metrics = {'train_loss': totals['loss_sum'] / max(totals['count'], 1), 'lr': parts.optimizer.param_groups[0]['lr'],
-               'img_per_s': totals['samples'] / elapsed, 'train_time': elapsed, 'batches': batches,
-               'stopped': bool(totals['stop']), 'nonfinite_skipped': skipped}
+    metrics = {'train_loss': totals['loss_sum'] / max(totals['count'], 1),
+               'lr': parts.optimizer.param_groups[0]['lr'], 'img_per_s': totals['samples'] / elapsed,
+               'train_time': elapsed, 'batches': batches, 'stopped': bool(totals['stop']),
+               'nonfinite_skipped': skipped}
     return metrics, num_updates
 
 
