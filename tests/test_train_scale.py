@@ -133,6 +133,13 @@ def recording_assemble(*args, **kwargs):  # the weights each rank's model and EM
     start['ema'] = trainer.state_dict_sha256(run.step.model_ema.module.state_dict())
     return run
 trainer.assemble = recording_assemble
+if os.environ.get('STOP_RANK') == os.environ['RANK']:  # this rank alone asks to stop at its STOP_AT-th update
+    from collab_vit.training.preemption import StopRequest
+    calls, reason = [0], StopRequest.reason
+    def asking(self):
+        calls[0] += 1
+        return 'TEST' if calls[0] == int(os.environ['STOP_AT']) else reason(self)
+    StopRequest.reason = asking
 counts = install()
 summary = trainer.train(parse_train_args(sys.argv[2:]))
 totals, detail = by_phase(counts)
@@ -142,24 +149,31 @@ open(os.path.join(sys.argv[1], 'rank%s.json' % os.environ['RANK']), 'w').write(j
 '''
 
 
+# 24 train images, 2 ranks, batch 2: 6 batches and updates per rank and epoch; EMA decay 0.9
+DDP_OVERRIDES = dict(epochs=2, stop_after=1, batch_size=2, lr_base_batch=4, log_interval=4, model_ema=True,
+                     model_ema_decay=0.9, repeated_aug=0, mixup=0.0, cutmix=0.0, seed=5)
+
+
+def torchrun(script_dir, out, data, overrides, env=None):
+    """RANK_SCRIPT on 2 gloo processes; returns the ranks' JSON."""
+    script = script_dir / 'rank.py'
+    script.write_text(RANK_SCRIPT.format(root=ROOT))
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                           str(script), str(script_dir), *to_flags(tiny_overrides(data, str(out), **overrides))],
+                          cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((script_dir / f'rank{r}.json').read_text()) for r in (0, 1)]
+
+
 @pytest.fixture(scope='module')
 def ddp_run(tmp_path_factory):
     """One 2-process gloo run (9 val images: the shards are 5 + 4, the sampler pads one): epoch 0 of 2, then a
     stop (stop_after), so last.pth holds epoch 0's weights and EMA."""
     root = tmp_path_factory.mktemp('ddp')
     data = make_image_folder(root / 'data', classes=3, train_per_class=8, val_per_class=3)
-    script = root / 'rank.py'
-    script.write_text(RANK_SCRIPT.format(root=ROOT))
-    # 24 train images, 2 ranks, batch 2: 6 batches and updates per rank; EMA decay 0.9 (its start still shows)
-    overrides = dict(epochs=2, stop_after=1, batch_size=2, lr_base_batch=4, log_interval=4, model_ema=True,
-                     model_ema_decay=0.9, repeated_aug=0, mixup=0.0, cutmix=0.0, seed=5)
     out = root / 'run'
-    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                           str(script), str(root), *to_flags(tiny_overrides(data, str(out), **overrides))],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((root / f'rank{r}.json').read_text()) for r in (0, 1)]
-    return {'data': data, 'out': out, 'ranks': ranks, 'overrides': overrides,
+    ranks = torchrun(root, out, data, DDP_OVERRIDES)
+    return {'data': data, 'out': out, 'ranks': ranks, 'overrides': DDP_OVERRIDES,
             'epoch0': load_checkpoint(out / 'last.pth'), 'root': root}
 
 
@@ -214,3 +228,15 @@ def test_end_of_epoch_resume_on_another_world_size(ddp_run, tmp_path):
     assert resumed_log[0]['step'] == 6 and resumed_log[1]['step'] == fresh_log[1]['step'] == 24
     assert resumed_log[1]['lr'] == fresh_log[1]['lr']
     assert load_checkpoint(out / 'last.pth')['geometry']['world_size'] == 1
+
+
+def test_two_processes_agree_on_a_stop_at_the_next_read(ddp_run, tmp_path):
+    """Rank 1 alone asks to stop at its update 2; both ranks stop together at update 4 (log_interval 4, the first
+    read), and the mid-epoch checkpoint says so."""
+    out = tmp_path / 'run'
+    ranks = torchrun(tmp_path, out, ddp_run['data'], dict(DDP_OVERRIDES, stop_after=0),
+                     env={'STOP_RANK': '1', 'STOP_AT': '2'})
+    assert [r['summary'] for r in ranks] == [{'stopped_at_epoch': 0, 'batches_done': 4, 'step': 4,
+                                              'output': str(out)}] * 2
+    ckpt = load_checkpoint(out / 'last.pth')
+    assert ckpt['batches_done'] == 4 and ckpt['step'] == 4 and len(ckpt['rng_at_stop']) == 2

@@ -131,7 +131,6 @@ def _last_good(output: str, dist_info: DistInfo) -> str:
     return f'{path} (epoch {epoch}) is kept as it was' if epoch is not None else f'{path} is kept as it was'
 
 
-
 def _set_up_process(cfg: TrainConfig, dist_info: DistInfo) -> None:
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
