@@ -134,7 +134,7 @@ def _backward_and_step(model, loss: torch.Tensor, parts: StepParts, window: int,
 
 def _after_update(model, parts: StepParts, num_updates: int) -> None:
     parts.optimizer.zero_grad(set_to_none=True)
-    if parts.model_ema is not None:
+    if parts.model_ema is not None:  # kept on the CPU (model_ema_force_cpu): a device-to-host copy per update
         parts.model_ema.update(model.module if isinstance(model, DistributedDataParallel) else model,
                                step=num_updates)
     if parts.scheduler is not None and parts.sched_on_updates:
@@ -197,10 +197,10 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
         else:
             parts.optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
         stop_here = parts.stop_request is not None and parts.stop_request.requested()
-        if (updated and num_updates % max(parts.log_interval, 1) == 0) or i + 1 == num_batches or \
-                (stop_here and not dist_info.distributed):
+        at_interval = updated and num_updates % max(parts.log_interval, 1) == 0
+        if at_interval or i + 1 == num_batches or (stop_here and not dist_info.distributed):
             totals, read_at = _checked_read(tally, stop_here, samples, epoch, num_batches, bar), i
-            if lines or not bar.disable:
+            if (lines and at_interval) or not bar.disable:  # a log file: one line per log_interval updates
                 _show_progress(bar, lines, epoch, i, num_batches, totals, parts.optimizer, start)
             if totals['stop']:
                 parts.stop_request.agree(stop_here)
