@@ -85,6 +85,22 @@ def test_skip_nonfinite_is_the_one_per_batch_check(tiny_data, tmp_path, monkeypa
     assert totals['train'] == expected_loop_syncs(6, 4, False) + 6, detail
 
 
+def test_nonfinite_loss_found_at_the_read_names_its_first_update(tiny_data, tmp_path, monkeypatch, capsys):
+    """A NaN loss at update 9 (epoch 1, batch 3), read only at the epoch's last update (log_interval 50): the run
+    stops naming update 9, and last.pth (epoch 0) stays as it was."""
+    from test_faults import nan_loss_at
+    out = tmp_path / 'run'
+    no_mix = dict(mixup=0.0, cutmix=0.0, smoothing=0.0, epochs=2, model_ema=True, log_interval=50)
+    train(build_config(None, tiny_overrides(tiny_data, str(out), stop_after=1, **no_mix)))
+    before = (out / 'last.pth').read_bytes()
+    nan_loss_at(monkeypatch, {3})  # the 3rd loss of the resumed invocation: epoch 1, batch 3
+    assert main(to_flags(tiny_overrides(tiny_data, str(out), **no_mix)) + ['--resume']) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('error: non-finite loss (nan) at epoch 1, update 9 (batch 3 of 6 in this pass): training '
+                          f'stopped; {out / "last.pth"} (epoch 0) is kept as it was'), err
+    assert (out / 'last.pth').read_bytes() == before and not (out / 'model.safetensors').exists()
+
+
 # ---- resume invariants ----------------------------------------------------------------------------------------
 
 def test_mid_epoch_resume_with_another_batch_size_refuses(tiny_data, tmp_path, monkeypatch, capsys):
