@@ -41,6 +41,11 @@ def geometry_change(old: Dict[str, Optional[int]], new: Dict[str, int]) -> Optio
     return '; '.join(diffs) or None
 
 
+def geometry_text(values: Dict[str, Optional[int]]) -> str:
+    """'batch_size 4, world_size 1, accum_steps 1' (for the log)."""
+    return ', '.join(f'{k} {"unknown" if values[k] is None else values[k]}' for k in GEOMETRY_KEYS)
+
+
 def check_geometry(ckpt: Dict[str, Any], new: Dict[str, int], path: str) -> Optional[str]:
     """Refuse (ConfigError, one line) a mid-epoch checkpoint whose geometry differs from ``new``; return the change
     at an epoch end (or None)."""
@@ -83,7 +88,7 @@ def restore(ckpt: Dict[str, Any], path: str, parts, scheduler, skipper, new: Dic
     old, inferred = recorded_geometry(ckpt)
     if inferred:
         point.notes.append(f'warning: {path} was written before checkpoints recorded batch size, world size and '
-                           f'accumulation: taken from its config and RNG states ({geometry_change_text(old)})')
+                           f'accumulation: taken from its config and RNG states ({geometry_text(old)})')
     change = check_geometry(ckpt, new, path)
     if change:  # at an epoch end: the new global batch's lr, the schedule rebuilt and placed at the epoch reached
         for group, lr in zip(optimizer.param_groups, fresh_lrs):
@@ -107,6 +112,3 @@ def restore(ckpt: Dict[str, Any], path: str, parts, scheduler, skipper, new: Dic
         scheduler.step(point.start_epoch)
     return point
 
-
-def geometry_change_text(values: Dict[str, Optional[int]]) -> str:
-    return ', '.join(f'{k} {"unknown" if values[k] is None else values[k]}' for k in GEOMETRY_KEYS)
