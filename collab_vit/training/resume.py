@@ -111,4 +111,3 @@ def restore(ckpt: Dict[str, Any], path: str, parts, scheduler, skipper, new: Dic
     else:
         scheduler.step(point.start_epoch)
     return point
-
