@@ -21,7 +21,7 @@ import torch
 
 from ..weights_io import WeightsError, model_pipeline, read_weights
 from .flags import parse_key_value_pairs
-from .data import build_dataset, build_eval_loader, eval_data_config, shard_size
+from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .errors import ConfigError, DataError
 from .loops import autocast_context, evaluate
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         dataset = build_dataset(args.dataset, args.data_dir, args.split, is_training=False,
                                 download=args.dataset_download)
         loader = build_eval_loader(dataset, data_cfg, args.batch_size, args.workers, dist_info)
-        metrics = evaluate(model, loader, dist_info, shard_size(len(dataset), dist_info),
+        metrics = evaluate(model, loader, dist_info, eval_shard_size(dataset, dist_info, args.workers),
                            autocast_context(dist_info.device, args.amp, 'bfloat16'), progress=True)
         results = {'model': name, 'model_kwargs': kwargs, 'checkpoint': args.checkpoint, 'use_ema': args.use_ema,
                    'num_params': sum(p.numel() for p in model.parameters()),
