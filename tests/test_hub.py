@@ -108,6 +108,16 @@ def test_mixing_out_of_decay_for_any_converted_model(tmp_path: Path) -> None:
         assert not any(n.endswith(("content_bias.weight", "query.weight", "key.weight")) for n in names)
 
 
+def test_layers_swapped_by_hand() -> None:
+    model = perturbed(timm.create_model("deit_tiny_patch16_224", **TINY))
+    for block in model.blocks:
+        block.attn = CollaborativeAttention.from_attention(block.attn)
+    assert not {"blocks.0.attn.mixing"} <= no_decay_names(model)  # timm alone decays the 2-D mixing
+    assert {"blocks.0.attn.mixing", "blocks.1.attn.mixing"} <= no_decay_names(
+        collab_vit.exclude_mixing_from_decay(model))
+    assert type(model) is CollabVisionTransformer
+
+
 def test_refusals_write_nothing(tmp_path: Path) -> None:
     plain = perturbed(timm.create_model("deit_tiny_patch16_224", **TINY))
     with pytest.raises(ValueError, match="every block's attention collaborative") as error:
