@@ -142,10 +142,11 @@ HUB_CONFIG, HUB_WEIGHTS = 'config.json', 'model.safetensors'
 EVAL_KEYS = ('input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')  # a pretrained_cfg's pipeline
 
 
-def model_pipeline(model: Any) -> Dict[str, Any]:
-    """The evaluation pipeline ``model`` carries (its ``pretrained_cfg``: timm's cfg of the weights it was created
-    with, kept through a conversion), at its own input size, as JSON-able lists: what a converted file records."""
-    cfg = dict(getattr(model, 'pretrained_cfg', None) or {})
+def model_pipeline(model: Any, pretrained_cfg: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The evaluation pipeline ``model`` carries (its ``pretrained_cfg``, or the one given: timm's cfg of the weights
+    it was created with, kept through a conversion), at its own input size, as JSON-able lists: what a converted
+    file records."""
+    cfg = dict(pretrained_cfg or getattr(model, 'pretrained_cfg', None) or {})
     patch_embed = getattr(model, 'patch_embed', None)
     if patch_embed is not None and getattr(patch_embed, 'img_size', None):
         cfg['input_size'] = (patch_embed.proj.in_channels, *patch_embed.img_size)

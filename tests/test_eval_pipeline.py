@@ -77,8 +77,9 @@ def evaluated(tmp_path: Path, data: str, monkeypatch, *flags: str) -> tuple[dict
 
 
 def test_source_and_conversions_get_identical_transforms(deit_file: str, tmp_path: Path, monkeypatch) -> None:
-    """timm DeiT weights (.pth), the same converted in memory and saved as a folder, and converted by
-    ``collab-vit convert`` into a file: one pipeline, timm's cfg of the source weights, recorded in the results."""
+    """timm DeiT weights (.pth), the same converted in memory and saved as a folder, converted by ``collab-vit
+    convert`` into a file, and converted on load by eval.py: one pipeline, timm's cfg of the source weights, recorded
+    in the results."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=1, val_per_class=2, size=48)
     source = collab_vit.reparametrize(from_file("deit_tiny_patch16_224", deit_file), key_dim=96, progress=False)
@@ -88,14 +89,16 @@ def test_source_and_conversions_get_identical_transforms(deit_file: str, tmp_pat
     runs = [evaluated(tmp_path, data, monkeypatch, "--model", "deit_tiny_patch16_224", "--checkpoint", deit_file,
                       "--model-kwargs", "img_size=32", "patch_size=8", "depth=2"),
             evaluated(tmp_path, data, monkeypatch, "--checkpoint", str(tmp_path / "folder")),
-            evaluated(tmp_path, data, monkeypatch, "--checkpoint", str(tmp_path / "file.safetensors"))]
+            evaluated(tmp_path, data, monkeypatch, "--checkpoint", str(tmp_path / "file.safetensors")),
+            evaluated(tmp_path, data, monkeypatch, "--model", "collab_deit_tiny_patch16_224", "--checkpoint", deit_file,
+                      "--model-kwargs", "key_dim=96", "img_size=32", "patch_size=8", "depth=2")]  # converted on load
     (first, transform), *others = runs
     expected = {**timm_deit_pipeline(), "input_size": [3, 32, 32]}
     assert {k: list(v) if isinstance(v, tuple) else v for k, v in expected.items()} == first["data_config"]
     for results, other_transform in others:
         assert results["data_config"] == first["data_config"] and other_transform == transform
     assert "Resize(size=35" in transform  # 32 / 0.9, bicubic: timm's DeiT evaluation, not DeiT's 0.875 (36)
-    assert runs[1][0]["model"] == runs[2][0]["model"] == "collab_deit_tiny_patch16_224"
+    assert runs[1][0]["model"] == runs[2][0]["model"] == runs[3][0]["model"] == "collab_deit_tiny_patch16_224"
 
 
 def test_data_config_from_another_checkpoint(deit_file: str, tmp_path: Path, monkeypatch) -> None:

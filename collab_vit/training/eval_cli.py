@@ -19,13 +19,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, model_pipeline, read_weights
 from .flags import parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .errors import ConfigError, DataError
 from .loops import autocast_context, evaluate
-from .model_factory import build_model, fit_state
+from .model_factory import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,12 +126,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 raise ConfigError(f'{e} (as recorded in the metadata of {os.path.abspath(args.checkpoint)})') \
                     from None
             raise
+        converts = bool(state) and is_standard_attention_state(state) and any(
+            isinstance(m, CollaborativeAttention) for m in model.modules())  # fit_state converts them on load
         if state:
             model.load_state_dict(fit_state(model, state, args.checkpoint,
                                             conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
         model.to(dist_info.device)
 
         recorded = meta.get('data_config')
+        if not recorded and converts:  # timm/DeiT weights converted on load: evaluated as timm evaluates them
+            recorded = source_weights_pipeline(name, model)
         if args.data_config_from:
             recorded = read_weights(args.data_config_from)[1].get('data_config')
             if not recorded:

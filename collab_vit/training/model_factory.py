@@ -13,7 +13,7 @@ from timm.models import parse_model_name
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import WeightsError, check_fit, read_weights
+from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
 from .errors import ConfigError
 
 _logger = logging.getLogger(__name__)
@@ -54,6 +54,19 @@ def build_model(name: str, num_classes: int, img_size: Optional[int] = None, dro
         raise ConfigError(f"model '{name}' does not take the keyword '{unknown.group(1)}' (model_kwargs)") from None
     except ValueError as e:
         raise ConfigError(f"bad model_kwargs for '{name}': {str(e).strip().splitlines()[0]}") from None
+
+
+def source_weights_pipeline(name: str, model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """For standard-attention weights converted on load into ``name``: the evaluation pipeline of the weights its
+    registered pretrained tag converts (``collab_deit_*.fb_in1k``: timm's cfg of its DeiT weights), at the model's
+    input size; None where the name has no such tag (the model's own cfg then applies)."""
+    try:
+        cfg = timm.models.get_pretrained_cfg(name)
+    except (RuntimeError, ValueError):
+        return None
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        return None
+    return model_pipeline(model, cfg.to_dict())
 
 
 def is_standard_attention_state(state: Dict[str, torch.Tensor]) -> bool:
