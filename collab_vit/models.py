@@ -27,7 +27,6 @@ follows DeiT's recipe) has DeiT's 0.875 (resize 256, centre crop 224), the paper
 from __future__ import annotations
 
 from functools import partial
-
 from typing import Any, Optional, Sequence, Type, Union
 
 import torch.nn as nn
