@@ -7,9 +7,9 @@ registrations) <- ``training`` (DeiT's recipe) <- ``cli`` / ``train.py`` / ``eva
 """
 from ._version import __version__
 from .conversion import reparam
-from .conversion.reparam import reparametrize, reparametrize_layers
+from .conversion.reparam import reparametrize, reparametrize_attention, reparametrize_layers
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
 from .models import COLLAB_MODELS, CONCAT_MODELS
 
-__all__ = ["CollaborativeAttention", "ConcatAttention", "attention_class", "reparametrize", "reparametrize_layers",
-           "reparam", "COLLAB_MODELS", "CONCAT_MODELS"]
+__all__ = ["CollaborativeAttention", "ConcatAttention", "attention_class", "reparametrize", "reparametrize_attention",
+           "reparametrize_layers", "reparam", "COLLAB_MODELS", "CONCAT_MODELS"]

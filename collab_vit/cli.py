@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import timm
 import torch
@@ -83,13 +83,54 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"| `{check.name}` | {check.max_abs_diff:.2e} | {check.max_abs_logit:.2f} | {check.seconds:.2f} |")
 
 
+def calibration_loader(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
+                       data_config: Optional[dict[str, Any]] = None, seed: int = 0,
+                       batch_size: int = 64) -> torch.utils.data.DataLoader:
+    """``images`` images drawn at random (seeded) from a split, in the model's evaluation transform.
+
+    The split is read as ``eval.py`` reads it (``training.data.build_dataset``: ``dataset`` '' = ImageFolder,
+    ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
+    config) or else of the model's pretrained cfg.
+    """
+    from timm.data import create_transform, resolve_data_config
+
+    from .training.data import build_dataset
+
+    if isinstance(images, bool) or not isinstance(images, int) or images <= 0:
+        raise ValueError(f"--calibration-images must be a positive int, got {images!r}")
+    cfg = resolve_data_config(dict(data_config or {}), model=model)
+    data = build_dataset(dataset, data_dir, split, is_training=False)
+    data.transform = create_transform(cfg["input_size"], is_training=False, interpolation=cfg["interpolation"],
+                                      mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
+                                      crop_mode=cfg.get("crop_mode", "center"))
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:images].tolist()
+    return torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size)
+
+
+def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module, dict], Any]]:
+    """What ``convert_to_file`` calls with the source model and its metadata to get the calibration images."""
+    if not args.calibration_data_dir:
+        if args.calibration_dataset or args.refine_steps:
+            raise ValueError("--calibration-dataset and --refine-steps need --calibration-data-dir")
+        return None
+    if args.calibration_images <= 0:
+        raise ValueError(f"--calibration-images must be positive, got {args.calibration_images}")
+    return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
+                                                  args.calibration_split, args.calibration_images, model,
+                                                  meta.get("data_config"), args.seed)
+
+
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, parse_key_dim
     from .training.flags import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
+    calibration = _calibration(args)
+    extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
+                                                 refine_steps=args.refine_steps, refine_lr=args.refine_lr)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
-                              seed=args.seed, model_kwargs=model_kwargs, max_iter=args.max_iter, tol=args.tol)
+                              seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
+                              max_iter=args.max_iter, tol=args.tol, **extra)
     print(format_report(reports))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
 
@@ -131,6 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--max-iter", type=int, default=100)
     convert.add_argument("--tol", type=float, default=1e-6)
+    data = convert.add_argument_group("data-aware conversion (calibration images; flags as eval.py's data flags)")
+    data.add_argument("--calibration-data-dir", default="",
+                      help="dataset root of the calibration images (default: none, weight-only conversion)")
+    data.add_argument("--calibration-dataset", default="",
+                      help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, ...)")
+    data.add_argument("--calibration-split", default="train", help="split to draw them from (default: train)")
+    data.add_argument("--calibration-images", type=int, default=256,
+                      help="images drawn at random (--seed) from the split (default: 256)")
+    data.add_argument("--calibration-capture", choices=["source", "sequential"], default="source",
+                      help="tokens of the source model, or of the partially converted one layer after layer")
+    data.add_argument("--ridge", type=float, default=1e-2, help="ridge of the token moments, relative to their "
+                      "mean eigenvalue (default: 1e-2)")
+    data.add_argument("--refine-steps", type=int, default=0,
+                      help="Adam steps matching the source's logits on the calibration images (default: 0)")
+    data.add_argument("--refine-lr", type=float, default=1e-3)
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")

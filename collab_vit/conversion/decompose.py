@@ -81,6 +81,7 @@ __all__ = [
     "relative_error",
     "energy_spectrum",
     "rank_for_energy",
+    "canonical_form",
 ]
 
 # Below this relative error the Gram-matrix formula ||T||^2 - 2<T,T~> + ||T~||^2 has lost most of its
@@ -449,6 +450,9 @@ def _finalise(query: Tensor, key: Tensor, mixing: Tensor) -> tuple[Tensor, Tenso
     mixing = torch.where(live, mixing / safe, torch.zeros_like(mixing))
     order = torch.argsort(weight, descending=True, stable=True)
     return query[:, order], key[:, order], mixing[:, order]
+
+
+canonical_form = _finalise  # public name: the data-aware route re-balances its mapped-back factors with it
 
 
 def _headwise_start(wq: Tensor, wk: Tensor, rank: int) -> tuple[Tensor, Tensor]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import timm
 import torch.nn as nn
@@ -83,21 +83,34 @@ def parse_key_dim(text: str) -> Union[int, float, list[int]]:
 
 
 def format_report(reports: list[LayerReport]) -> str:
-    lines = ["| layer | key dim | rel. error of T | rel. error of attention output | seconds |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r.name} | {r.key_dim} | {r.tensor_error:.4f} | {r.output_error:.4f} | {r.seconds:.2f} |"
-              for r in reports]
-    return "\n".join(lines)
+    """Markdown table of the per-layer reports; says what the output error was measured on."""
+    calibrated = any(r.whitened_error is not None for r in reports)
+    refined = any(r.refined_output_error is not None for r in reports)
+    head = ["layer", "key dim", "rel. error of T"] + (["rel. logit error (calibration)"] if calibrated else []) + \
+        ["rel. error of attention output"] + (["after refinement"] if refined else []) + ["seconds"]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for r in reports:
+        cells = [r.name, str(r.key_dim), f"{r.tensor_error:.4f}"]
+        cells += [f"{r.whitened_error:.4f}" if r.whitened_error is not None else "—"] if calibrated else []
+        cells += [f"{r.output_error:.4f}"]
+        cells += [f"{r.refined_output_error:.4f}" if r.refined_output_error is not None else "—"] if refined else []
+        lines.append("| " + " | ".join(cells + [f"{r.seconds:.2f}"]) + " |")
+    notes = {f"attention-output error on {r.error_tokens}" for r in reports}
+    notes |= {f"key dims from the {r.key_dim_from}" for r in reports if r.key_dim_from != "given"}
+    return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
+                    calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
                     **options) -> list[LayerReport]:
     """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
 
     The file records the collaborative model's name and keyword arguments (the source's, see :func:`load_source`,
     plus one key dim per layer) and the source's evaluation data config, so ``eval.py`` and
     ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model from the file alone.
+    ``calibration(source_model, metadata)`` gives calibration images (data-aware conversion, ``options`` as
+    ``reparametrize_layers``'); nothing is written when they are bad.
     """
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
@@ -105,12 +118,16 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         collaborative_name(model_name)  # an unsupported name fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
     target = collaborative_name(model_name)
+    if calibration is not None:
+        options["calibration"] = calibration(model, meta)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)
     model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}
     if model.num_classes != 1000:
         model_kwargs["num_classes"] = model.num_classes
     info = {"source": checkpoint or model_name, "method": method, "seed": seed,
             "layers": [r.as_dict() for r in reports]}
+    if getattr(reports, "summary", None):
+        info["calibration"] = reports.summary
     extra: dict[str, Any] = {"conversion": info}
     if meta.get("data_config"):
         extra["data_config"] = meta["data_config"]
