@@ -125,12 +125,14 @@ def _convert(args: argparse.Namespace) -> None:
     from .training.flags import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is available")
     calibration = _calibration(args)
     extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
                                                  refine_steps=args.refine_steps, refine_lr=args.refine_lr)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
-                              max_iter=args.max_iter, tol=args.tol, **extra)
+                              device=args.device, max_iter=args.max_iter, tol=args.tol, **extra)
     print(format_report(reports))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
 
@@ -187,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--refine-steps", type=int, default=0,
                       help="Adam steps matching the source's logits on the calibration images (default: 0)")
     data.add_argument("--refine-lr", type=float, default=1e-3)
+    data.add_argument("--device", default="cpu", help="where the forward passes and the refinement run, e.g. cuda "
+                      "(the decompositions run on the CPU; default: cpu)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")

@@ -102,7 +102,7 @@ def format_report(reports: list[LayerReport]) -> str:
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
-                    calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
+                    calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
                     **options) -> list[LayerReport]:
     """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
 
@@ -110,7 +110,8 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     plus one key dim per layer) and the source's evaluation data config, so ``eval.py`` and
     ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model from the file alone.
     ``calibration(source_model, metadata)`` gives calibration images (data-aware conversion, ``options`` as
-    ``reparametrize_layers``'); nothing is written when they are bad.
+    ``reparametrize_layers``'); nothing is written when they are bad. ``device`` runs the model's forward passes
+    and the refinement there (the decompositions run on the CPU).
     """
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
@@ -118,6 +119,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         collaborative_name(model_name)  # an unsupported name fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
     target = collaborative_name(model_name)
+    model.to(device)
     if calibration is not None:
         options["calibration"] = calibration(model, meta)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)

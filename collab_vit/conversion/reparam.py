@@ -173,7 +173,7 @@ def reparametrize_attention(attn: Attention, key_dim: Union[None, int, float], m
 @contextmanager
 def single_thread() -> Iterator[None]:
     """Run the decomposition on one thread: its matrices are small (D x key_dim), and measured on 2 shared cores
-    one thread took 38 s for DeiT-B's 12 layers where two took 256 s (decompose.py docstring)."""
+    one thread took 38 s for DeiT-B's 12 layers where two took 256 s (benchmarks/decompose_notes.md)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
