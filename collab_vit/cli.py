@@ -107,10 +107,25 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     return torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size)
 
 
+def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argparse._ArgumentGroup:
+    """The calibration-image flags (spelled as eval.py's data flags), in a group of their own."""
+    data = parser.add_argument_group(f"{purpose} (calibration images; flags as eval.py's data flags)")
+    data.add_argument("--calibration-data-dir", default="",
+                      help="dataset root of the calibration images (default: none, weights only)")
+    data.add_argument("--calibration-dataset", default="",
+                      help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, ...)")
+    data.add_argument("--calibration-split", default="train", help="split to draw them from (default: train)")
+    data.add_argument("--calibration-images", type=int, default=256,
+                      help="images drawn at random (--seed) from the split (default: 256)")
+    data.add_argument("--ridge", type=float, default=1e-2, help="ridge of the token moments, relative to their "
+                      "mean eigenvalue (default: 1e-2)")
+    return data
+
+
 def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module, dict], Any]]:
     """What ``convert_to_file`` calls with the source model and its metadata to get the calibration images."""
     if not args.calibration_data_dir:
-        if args.calibration_dataset or args.refine_steps:
+        if args.calibration_dataset or getattr(args, "refine_steps", 0):
             raise ValueError("--calibration-dataset and --refine-steps need --calibration-data-dir")
         return None
     if args.calibration_images <= 0:
@@ -140,7 +155,8 @@ def _convert(args: argparse.Namespace) -> None:
 def _analyze(args: argparse.Namespace) -> None:
     from .conversion.files import analyze_to_files
 
-    table, suggestion = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold)
+    table, suggestion = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold,
+                                         calibration=_calibration(args), ridge=args.ridge)
     print(table)
     print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}")
 
@@ -174,18 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--max-iter", type=int, default=100)
     convert.add_argument("--tol", type=float, default=1e-6)
-    data = convert.add_argument_group("data-aware conversion (calibration images; flags as eval.py's data flags)")
-    data.add_argument("--calibration-data-dir", default="",
-                      help="dataset root of the calibration images (default: none, weight-only conversion)")
-    data.add_argument("--calibration-dataset", default="",
-                      help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, ...)")
-    data.add_argument("--calibration-split", default="train", help="split to draw them from (default: train)")
-    data.add_argument("--calibration-images", type=int, default=256,
-                      help="images drawn at random (--seed) from the split (default: 256)")
+    data = add_calibration_flags(convert, "data-aware conversion")
     data.add_argument("--calibration-capture", choices=["source", "sequential"], default="source",
                       help="tokens of the source model, or of the partially converted one layer after layer")
-    data.add_argument("--ridge", type=float, default=1e-2, help="ridge of the token moments, relative to their "
-                      "mean eigenvalue (default: 1e-2)")
     data.add_argument("--refine-steps", type=int, default=0,
                       help="Adam steps matching the source's logits on the calibration images (default: 0)")
     data.add_argument("--refine-lr", type=float, default=1e-3)
@@ -198,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
     analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"))
     analyze.add_argument("--threshold", type=float, default=0.95)
+    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw")
+    add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)
 
     prepare = commands.add_parser("prepare-data", help="put an offline copy of a dataset where timm's reader finds it")

@@ -72,3 +72,14 @@ def test_bad_calibration_input_is_one_line_and_writes_nothing(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -> None:
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=3, val_per_class=1)
+    source = exported(tmp_path)
+    capsys.readouterr()
+    assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "w.png"),
+                     "--calibration-data-dir", data, "--calibration-images", "5"]) == 0
+    assert "spectrum of the bilinear forms: whitened by 5 calibration images" in capsys.readouterr().out
+    assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "p.png")]) == 0
+    assert "spectrum of the bilinear forms: weights" in capsys.readouterr().out

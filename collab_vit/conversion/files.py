@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
 from ..weights_io import atomic_write, export_safetensors, read_weights
-from .reparam import LayerReport, reparametrize_layers
+from .calibration import DEFAULT_RIDGE, calibration_images
+from .reparam import LayerReport, probe_input_size, reparametrize_layers
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
 
@@ -141,10 +142,15 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     return reports
 
 
-def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95
-                     ) -> tuple[str, int]:
-    """Per-layer spectrum table (Markdown), PNG plot, and the key dim suggested at ``threshold``."""
-    model, model_name, _, _ = load_source(model_name, checkpoint)
-    spectra = layer_spectra(model)
-    plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1)")
-    return format_spectrum_table(spectra), suggest_key_dim(spectra, threshold)
+def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95,
+                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
+                     ridge: float = DEFAULT_RIDGE) -> tuple[str, int]:
+    """Per-layer spectrum table (Markdown), PNG plot, and the key dim suggested at ``threshold``; with
+    ``calibration(model, metadata)`` images, of the whitened forms (the table's last line says which)."""
+    model, model_name, _, meta = load_source(model_name, checkpoint)
+    images = None if calibration is None else calibration_images(calibration(model, meta), probe_input_size(model))
+    spectra = layer_spectra(model, images, ridge)
+    which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"
+    plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1; {which})")
+    table = format_spectrum_table(spectra) + f"\nspectrum of the bilinear forms: {which}\n"
+    return table, suggest_key_dim(spectra, threshold)
