@@ -132,6 +132,28 @@ def table(rows: list[dict], top1_source: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_table(rows: list[dict], top1_source: float) -> str:
+    """One line per key dim: top-1 change vs the source per variant (calibration image counts in the header), and
+    the attention-output error of the closed form relative to weight-only (mean over layers, held-out images)."""
+    found = {(r["variant"], r["images"], str(r["key_dim"])): r for r in rows}
+    columns = sorted({(v, n) for v, n, _ in found}, key=lambda c: (COLUMN_ORDER.index(c[0]), c[1]))
+    keys = list(dict.fromkeys(k for _, _, k in found))
+    head = ["key dim"] + [v + (f" {n}" if n else "") for v, n in columns] + ["error ratio data/weight (256)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for k in keys:
+        cells = [k]
+        for v, n in columns:
+            r = found.get((v, n, k))
+            cells.append("—" if r is None else f"{r['top1'] - top1_source:+.2f} ({r['seconds']:.1f} s)")
+        w, d = found.get(("weight", 0, k)), found.get(("data", 256, k))
+        cells.append(f"{d['output_error'] / w['output_error']:.2f}" if w and d and w["output_error"] > 0 else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+COLUMN_ORDER = ["weight", "data", "data-seq", "data+refine", "weight+refine", "cut", "cut-white"]
+
+
 def plot(rows: list[dict], top1_source: float, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -191,9 +213,10 @@ def main() -> None:
                 tag = "" if variant in ("weight", "cut") else f"_n{n}"
                 rows.append(run_cell(f"{variant}_k{key}{tag}".replace("+", "_"), source, key_dim, variant, pool,
                                      held, n, test, args))
-    (args.results / "table.md").write_text(table(rows, args.top1_source))
+    (args.results / "table.md").write_text(table(rows, args.top1_source) + "\n" +
+                                           summary_table(rows, args.top1_source))
     plot(rows, args.top1_source, args.results / "top1_vs_key_dim.png")
-    print(table(rows, args.top1_source))
+    print(table(rows, args.top1_source) + "\n" + summary_table(rows, args.top1_source))
 
 
 if __name__ == "__main__":
