@@ -187,8 +187,8 @@ def test_refinement_is_deterministic_and_moves_only_queries_keys_mixing() -> Non
         runs.append((model, reports))
     (a, ra), (b, _) = runs
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    closed = tiny_deit()
-    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), progress=False)
+    closed = tiny_deit()  # the same closed form (same batches of moments), without the refinement
+    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), batch_size=8, progress=False)
     for name, value in a.state_dict().items():
         moved = not torch.equal(value, closed.state_dict()[name])
         assert moved == any(part in name for part in (".query.", ".key.", ".mixing")), name
@@ -224,3 +224,14 @@ def test_bad_calibration_options() -> None:
         collab_vit.reparametrize_layers(tiny_deit(), 6, refine_steps=3, progress=False)
     with pytest.raises(ValueError, match="holdout must be"):
         collab_vit.reparametrize_layers(tiny_deit(), 6, calibration=images(4), holdout=4, progress=False)
+
+
+def test_refinement_that_makes_the_kl_worse_is_undone() -> None:
+    """A far too large lr makes the mean KL worse: the closed-form weights come back, bit for bit."""
+    model, closed = tiny_deit(), tiny_deit()
+    reports = collab_vit.reparametrize_layers(model, 3, calibration=images(16), refine_steps=3, refine_lr=10.0,
+                                              batch_size=8, progress=False)
+    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), batch_size=8, progress=False)
+    refine = reports.summary["refine"]
+    assert refine["kept_start"] and refine["kl_after"] > refine["kl_before"]
+    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), closed.state_dict().values()))

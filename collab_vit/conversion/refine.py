@@ -3,7 +3,9 @@
 Only the collaborative query/key projections and mixing (``W~q, W~k, M``, eq. 5) of the converted layers are
 trained; values, output projection, content bias and everything outside attention stay fixed. The loss is
 ``KL(softmax(source logits) || softmax(converted logits))`` averaged over images (no labels), minimised by Adam on
-random minibatches drawn from a seeded generator, so a run is deterministic given its seed on one device.
+random minibatches drawn from a seeded generator, so a run is deterministic given its seed on one device. The
+mean KL over all calibration images is evaluated before and after; if the steps made it worse (seen where the
+closed form is already close, e.g. key dim D/4 on Fashion-MNIST: RESULTS.md), the starting weights are restored.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class RefineResult:
     seconds: float
     first_loss: float
     last_loss: float
+    kl_before: float  # mean KL over all the images, before the steps
+    kl_after: float  # and after them
+    kept_start: bool  # the steps made the mean KL worse: the starting weights were restored
     losses: list[float] = field(default_factory=list)
 
 
@@ -33,6 +38,18 @@ def check_steps(steps: object) -> int:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ValueError(f"refine_steps must be an int >= 0, got {steps!r}")
     return int(steps)
+
+
+@torch.no_grad()
+def mean_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -> float:
+    """``KL(source || model)`` averaged over ``images`` (``target``: the source's log-probabilities)."""
+    device = next(model.parameters()).device
+    total = 0.0
+    for start in range(0, images.shape[0], batch_size):
+        logits = model(images[start:start + batch_size].to(device))
+        total += float(F.kl_div(F.log_softmax(logits.float(), dim=-1), target[start:start + batch_size].to(device),
+                                log_target=True, reduction="sum"))
+    return total / images.shape[0]
 
 
 def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images: Tensor, targets: Tensor,
@@ -61,6 +78,8 @@ def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images
         for p in params:
             p.requires_grad_(True)
         model.eval()
+        before = mean_kl(model, images, target, batch_size)
+        start_weights = [p.detach().clone() for p in params]
         for _ in tqdm(range(steps), desc="refine (KL to the source logits)", disable=not progress):
             index = torch.randperm(images.shape[0], generator=generator)[:batch_size]
             logits = model(images[index].to(device))
@@ -70,10 +89,15 @@ def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+        after = mean_kl(model, images, target, batch_size)
+        if after > before:
+            with torch.no_grad():
+                for p, start_weight in zip(params, start_weights):
+                    p.copy_(start_weight)
     finally:
         for p, flag in frozen.items():
             p.requires_grad_(flag)
         model.train(was_training)
     seconds = time.perf_counter() - start
     return RefineResult(steps, seconds, losses[0] if losses else float("nan"),
-                        losses[-1] if losses else float("nan"), losses)
+                        losses[-1] if losses else float("nan"), before, after, after > before, losses)

@@ -355,7 +355,9 @@ def reparametrize_layers(
         result = refine_logits(model, [fits[i][0].layer for i in range(len(layers))], images[:fit], targets,
                                refine_steps, refine_lr, batch_size, seed, progress)
         summary["refine"] = {"steps": result.steps, "seconds": result.seconds, "lr": refine_lr,
-                             "first_loss": result.first_loss, "last_loss": result.last_loss}
+                             "first_loss": result.first_loss, "last_loss": result.last_loss,
+                             "kl_before": result.kl_before, "kl_after": result.kl_after,
+                             "kept_start": result.kept_start}
         for index, report in enumerate(reports):
             if held[index] is not None:
                 report.refined_output_error = _output_error(fits[index][0].layer, layers[index][1], held[index])
