@@ -157,36 +157,63 @@ def table(rows: list[dict], top1_source: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_table(rows: list[dict], top1_source: float) -> str:
-    """One line per key dim: top-1 change vs the source per variant (calibration image counts in the header), and
-    the attention-output error of the closed form relative to weight-only (mean over layers, held-out images)."""
-    found = {(r["variant"], r["images"], str(r["key_dim"])): r for r in rows}
-    columns = sorted({(v, n) for v, n, _ in found}, key=lambda c: (COLUMN_ORDER.index(c[0]), c[1]))
-    keys = list(dict.fromkeys(k for _, _, k in found))
-    head = ["key dim"] + [v + (f" {n}" if n else "") for v, n in columns] + ["error ratio data/weight (256)"]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    for k in keys:
-        cells = [k]
-        for v, n in columns:
-            r = found.get((v, n, k))
-            cells.append("—" if r is None else f"{r['top1'] - top1_source:+.2f} ({r['seconds']:.1f} s)")
-        w, d = found.get(("weight", 0, k)), found.get(("data", 256, k))
-        cells.append(f"{d['output_error'] / w['output_error']:.2f}" if w and d and w["output_error"] > 0 else "—")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 COLUMN_ORDER = ["weight", "data", "data-seq", "data+refine", "weight+refine", "cut", "cut-white"]
 
 
-def plot(rows: list[dict], top1_source: float, path: Path) -> None:
+def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> str:
+    """Two compact tables: per key dim, top-1 change vs the source of each variant with ``images`` calibration images
+    (seconds of the conversion in brackets) and the held-out errors of weight-only vs data-aware; then the closed
+    form and the refinement per calibration image count."""
+    found = {(r["variant"], r["images"], str(r["key_dim"])): r for r in rows}
+    keys = list(dict.fromkeys(k for _, _, k in found))
+
+    def cell(variant: str, n: int, key: str, seconds: bool = True) -> str:
+        r = found.get((variant, n, key))
+        if r is None:
+            return "—"
+        return f"{r['top1'] - top1_source:+.2f}" + (f" ({r['seconds']:.1f} s)" if seconds else "")
+
+    def dims(variant: str, n: int, key: str) -> str:
+        r = found.get((variant, n, key))
+        return "—" if r is None else "/".join(map(str, r["key_dims"]))
+
+    def errors(key: str, field: str) -> str:
+        w, d = found.get(("weight", 0, key)), found.get(("data", images, key))
+        if not (w and d and w.get(field) and d.get(field)):
+            return "—"
+        return f"{w[field]:.3f} / {d[field]:.3f} ({d[field] / w[field]:.2f}x)"
+
+    lines = [f"Top-1 change vs the source ({top1_source:.2f}), {images} calibration images:", "",
+             "| key dim | dims per layer weight / data | weight-only | data-aware | data-aware + refine | "
+             "weight-only + refine | data-aware, sequential | cut | cut, whitened | attn-output error weight / data | "
+             "logit error weight / data |", "|---|---|" + "---:|" * 9]
+    for k in keys:
+        lines.append(f"| {k} | {dims('weight', 0, k)} / {dims('data', images, k)} | {cell('weight', 0, k)} | "
+                     f"{cell('data', images, k)} | {cell('data+refine', images, k)} | "
+                     f"{cell('weight+refine', images, k)} | {cell('data-seq', images, k)} | {cell('cut', 0, k)} | "
+                     f"{cell('cut-white', images, k)} | {errors(k, 'output_error')} | "
+                     f"{errors(k, 'within_image_logit_error')} |")
+    counts = sorted({n for _, n, _ in found if n})
+    lines += ["", "By number of calibration images (top-1 change vs the source):", "",
+              "| key dim | " + " | ".join(f"data-aware {n}" for n in counts) + " | " +
+              " | ".join(f"data-aware + refine {n}" for n in counts) + " | " +
+              " | ".join(f"weight-only + refine {n}" for n in counts) + " |",
+              "|---|" + "---:|" * (3 * len(counts))]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(cell(v, n, k, False) for v in ("data", "data+refine", "weight+refine")
+                                             for n in counts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], top1_source: float, path: Path, images: int = 256) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    variants = sorted({(r["variant"], r["images"]) for r in rows if isinstance(r["key_dim"], int)}, key=str)
+    variants = sorted({(r["variant"], r["images"]) for r in rows if isinstance(r["key_dim"], int)
+                       and r["images"] in (0, images)}, key=lambda c: COLUMN_ORDER.index(c[0]))
     for variant, n in variants:
         pts = sorted((r["key_dim"], r["top1"]) for r in rows if (r["variant"], r["images"]) == (variant, n)
                      and isinstance(r["key_dim"], int))
@@ -196,7 +223,7 @@ def plot(rows: list[dict], top1_source: float, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("key/query dim per layer")
     ax.set_ylabel("Fashion-MNIST top-1 (%), no fine-tune")
-    ax.set_title("Post-hoc conversion: weight-only vs data-aware")
+    ax.set_title(f"Post-hoc conversion: weight-only vs data-aware ({images} calibration images)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -238,10 +265,11 @@ def main() -> None:
                 tag = "" if variant in ("weight", "cut") else f"_n{n}"
                 rows.append(run_cell(f"{variant}_k{key}{tag}".replace("+", "_"), source, key_dim, variant, pool,
                                      held, n, test, args))
+    main_count = 256 if 256 in args.images else max(args.images)
     (args.results / "table.md").write_text(table(rows, args.top1_source) + "\n" +
-                                           summary_table(rows, args.top1_source))
-    plot(rows, args.top1_source, args.results / "top1_vs_key_dim.png")
-    print(table(rows, args.top1_source) + "\n" + summary_table(rows, args.top1_source))
+                                           summary_table(rows, args.top1_source, main_count))
+    plot(rows, args.top1_source, args.results / "top1_vs_key_dim.png", main_count)
+    print(table(rows, args.top1_source) + "\n" + summary_table(rows, args.top1_source, main_count))
 
 
 if __name__ == "__main__":

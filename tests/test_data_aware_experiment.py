@@ -29,5 +29,5 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
         row = json.loads((results / f'{name}.json').read_text())
         assert row['key_dims'] == [4] and 0 <= row['top1'] <= 100 and row['output_error'] > 0
     assert json.loads((results / 'data_refine_k4_n8.json').read_text())['summary']['refine']['steps'] == 2
-    assert (results / 'table.md').read_text().count('| 4 |') == len(names) + 1  # the cells, then the summary row
+    assert (results / 'table.md').read_text().count('| 4 |') == len(names) + 2  # the cells, then two summary rows
     assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
