@@ -3,6 +3,8 @@
 At ``key_dim >= heads x head_dim`` the swap is exact (concatenate construction). Below, the per-head bilinear forms
 ``T[i] = Wq_i Wk_i^T`` get a rank-``key_dim`` Tucker or CP decomposition (``collab_vit.decompose``); the query bias
 stays exact through the content bias ``c_i = Wk_i bq_i`` and the key bias is dropped (constant along softmax rows).
+With calibration images the decomposition is of the forms whitened by the tokens each layer sees (``calibration``,
+``capture``), optionally followed by a label-free refinement towards the source's logits (``refine``).
 """
 from __future__ import annotations
 
