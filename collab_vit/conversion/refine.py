@@ -10,6 +10,7 @@ closed form is already close, e.g. key dim D/4 on Fashion-MNIST: RESULTS.md), th
 from __future__ import annotations
 
 import numbers
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -80,7 +81,9 @@ def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images
         model.eval()
         before = mean_kl(model, images, target, batch_size)
         start_weights = [p.detach().clone() for p in params]
-        for _ in tqdm(range(steps), desc="refine (KL to the source logits)", disable=not progress):
+        terminal = progress and sys.stderr.isatty()  # a tqdm bar on a terminal, plain lines in a log file
+        every = max(1, steps // 10)
+        for step in tqdm(range(steps), desc="refine (KL to the source logits)", disable=not terminal):
             index = torch.randperm(images.shape[0], generator=generator)[:batch_size]
             logits = model(images[index].to(device))
             loss = F.kl_div(F.log_softmax(logits.float(), dim=-1), target[index].to(device), log_target=True,
@@ -89,6 +92,8 @@ def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            if progress and not terminal and ((step + 1) % every == 0 or step + 1 == steps):
+                print(f"refine step {step + 1}/{steps}: KL {losses[-1]:.3g}", file=sys.stderr, flush=True)
         after = mean_kl(model, images, target, batch_size)
         if after > before:
             with torch.no_grad():
