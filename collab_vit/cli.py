@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import timm
 import torch
@@ -83,13 +83,71 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"| `{check.name}` | {check.max_abs_diff:.2e} | {check.max_abs_logit:.2f} | {check.seconds:.2f} |")
 
 
+def calibration_loader(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
+                       data_config: Optional[dict[str, Any]] = None, seed: int = 0,
+                       batch_size: int = 64) -> torch.utils.data.DataLoader:
+    """``images`` images drawn at random (seeded) from a split, in the model's evaluation transform.
+
+    The split is read as ``eval.py`` reads it (``training.data.build_dataset``: ``dataset`` '' = ImageFolder,
+    ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
+    config) or else of the model's pretrained cfg.
+    """
+    from timm.data import create_transform, resolve_data_config
+
+    from .training.data import build_dataset
+
+    if isinstance(images, bool) or not isinstance(images, int) or images <= 0:
+        raise ValueError(f"--calibration-images must be a positive int, got {images!r}")
+    cfg = resolve_data_config(dict(data_config or {}), model=model)
+    data = build_dataset(dataset, data_dir, split, is_training=False)
+    data.transform = create_transform(cfg["input_size"], is_training=False, interpolation=cfg["interpolation"],
+                                      mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
+                                      crop_mode=cfg.get("crop_mode", "center"))
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:images].tolist()
+    return torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size)
+
+
+def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argparse._ArgumentGroup:
+    """The calibration-image flags (spelled as eval.py's data flags), in a group of their own."""
+    data = parser.add_argument_group(f"{purpose} (calibration images; flags as eval.py's data flags)")
+    data.add_argument("--calibration-data-dir", default="",
+                      help="dataset root of the calibration images (default: none, weights only)")
+    data.add_argument("--calibration-dataset", default="",
+                      help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, ...)")
+    data.add_argument("--calibration-split", default="train", help="split to draw them from (default: train)")
+    data.add_argument("--calibration-images", type=int, default=256,
+                      help="images drawn at random (--seed) from the split (default: 256)")
+    data.add_argument("--ridge", type=float, default=1e-2, help="ridge of the token moments, relative to their "
+                      "mean eigenvalue (default: 1e-2)")
+    return data
+
+
+def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module, dict], Any]]:
+    """What ``convert_to_file`` calls with the source model and its metadata to get the calibration images."""
+    if not args.calibration_data_dir:
+        if args.calibration_dataset or getattr(args, "refine_steps", 0):
+            raise ValueError("--calibration-dataset and --refine-steps need --calibration-data-dir")
+        return None
+    if args.calibration_images <= 0:
+        raise ValueError(f"--calibration-images must be positive, got {args.calibration_images}")
+    return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
+                                                  args.calibration_split, args.calibration_images, model,
+                                                  meta.get("data_config"), args.seed)
+
+
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, parse_key_dim
     from .training.flags import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is available")
+    calibration = _calibration(args)
+    extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
+                                                 refine_steps=args.refine_steps, refine_lr=args.refine_lr)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
-                              seed=args.seed, model_kwargs=model_kwargs, max_iter=args.max_iter, tol=args.tol)
+                              seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
+                              device=args.device, max_iter=args.max_iter, tol=args.tol, **extra)
     print(format_report(reports))
     print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
 
@@ -97,7 +155,8 @@ def _convert(args: argparse.Namespace) -> None:
 def _analyze(args: argparse.Namespace) -> None:
     from .conversion.files import analyze_to_files
 
-    table, suggestion = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold)
+    table, suggestion = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold,
+                                         calibration=_calibration(args), ridge=args.ridge)
     print(table)
     print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}")
 
@@ -131,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--max-iter", type=int, default=100)
     convert.add_argument("--tol", type=float, default=1e-6)
+    data = add_calibration_flags(convert, "data-aware conversion")
+    data.add_argument("--calibration-capture", choices=["source", "sequential"], default="source",
+                      help="tokens of the source model, or of the partially converted one layer after layer")
+    data.add_argument("--refine-steps", type=int, default=0,
+                      help="Adam steps matching the source's logits on the calibration images (default: 0)")
+    data.add_argument("--refine-lr", type=float, default=1e-3)
+    data.add_argument("--device", default="cpu", help="where the forward passes and the refinement run, e.g. cuda "
+                      "(the decompositions run on the CPU; default: cpu)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")
@@ -138,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
     analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"))
     analyze.add_argument("--threshold", type=float, default=0.95)
+    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw")
+    add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)
 
     prepare = commands.add_parser("prepare-data", help="put an offline copy of a dataset where timm's reader finds it")

@@ -27,38 +27,8 @@ recovers a planted CP of any rank ``r <= R`` to ~eps, zero-padding the ``R - r``
 line search after each sweep, and with the default float64 run their sweeps in float32 until the relative
 error drops below 1e-2. The error of the result is always re-evaluated in float64 on the returned factors.
 
-Measured (``benchmarks/decompose_bench.py --threads 1 --repeat 2 --no-random``): one DeiT-B-sized synthetic
-layer (Nh = 12, D = 768, dh = 64; shared decaying query/key spectra, 1% noise), default arguments
-(``max_iter=100, tol=1e-6``, float64), ONE thread on a shared 2-core machine under a load average of ~5; least
-of 2 runs. Times vary by up to ~1.6x between runs under this load (e.g. tucker at R = 256: 1.57 and 2.54 CPU s
-in two sessions); errors and iterations are deterministic::
-
-    R     tucker_decompose               cp_decompose
-          wall s  cpu s  rel err  iters  wall s  cpu s  rel err  iters
-    192     1.23   1.18  0.52737    100    2.00   1.90  0.52732    100
-    256     2.97   2.54  0.42573    100    5.07   4.15  0.42571    100
-    384     3.23   3.05  0.27190    100    4.82   4.51  0.27176    100
-    512     6.19   5.89  0.16438    100    7.75   7.35  0.16425    100
-
-Twelve such layers (seeds 0-11) at R = 384 with ``tucker_decompose``: 38.4 s wall with one thread, max error
-0.2731. With TWO threads on the same loaded machine the same run took 256 s: OpenMP threads that wait on each
-other across a busy core cost far more than they save at these sizes, so set ``torch.set_num_threads(1)`` (or
-run one layer per process) on shared machines.
-
-Reference at R = 384 on the same layer: tensorly ``parafac(T, 384, init="random", tol=1e-6)`` on the dense
-tensor took ~921 s with relative error 0.3522 (measured once, not repeated). Less loaded, ``tucker_decompose``
-at R = 384 took 2.66 s wall (error 0.27195; a revision without the final full-space sweeps).
-
-Choices, measured on the same layer under similar load (CPU s unless marked):
-
-* float32 sweeps above error 1e-2 vs float64 throughout, R = 384: tucker 2.97 s / 0.271905 vs 4.89 s / 0.271871,
-  cp 4.10 s / 0.271764 vs 8.23 s / 0.271742 (R = 192: tucker 0.95 vs 1.43 s, errors 0.527368 vs 0.527365).
-* line search, R = 384, core sweeps only: 100 sweeps with it reach 0.27196 in 2.53 s wall, 200 without it
-  0.27233 in 3.75 s wall.
-* full-space sweeps at the end of ``tucker_decompose`` (100 core sweeps vs 95 core + 5 full): R = 192,
-  0.53190 -> 0.52737 (+0.04 s); R = 384, 0.27195 -> 0.27190 (+0.24 s).
-* a fixed cost of ~0.46 s per layer (two ``eigh`` of D x D, the GEVD start, start selection, float64 error
-  of the result); a core sweep costs ~0.026 s, a full one ~0.05 s at R = 384.
+Measurements (times, errors and the choices above: float32 sweeps, line search, final full-space sweeps, one
+thread on shared machines) are in ``benchmarks/decompose_notes.md``.
 """
 
 from __future__ import annotations
@@ -81,6 +51,7 @@ __all__ = [
     "relative_error",
     "energy_spectrum",
     "rank_for_energy",
+    "canonical_form",
 ]
 
 # Below this relative error the Gram-matrix formula ||T||^2 - 2<T,T~> + ||T~||^2 has lost most of its
@@ -420,7 +391,7 @@ def _mixed_als(
     """``_als`` in float32 while the fit is coarse (error above ``_COARSE``), then in the dtype of ``wq``.
 
     Float32 sweeps cost about half as much and, at errors of 1e-2 and above, end within ~1e-4 of the float64
-    path's error (see "Measured" in the module docstring); near an exact fit the float64 sweeps take over, so
+    path's error (benchmarks/decompose_notes.md); near an exact fit the float64 sweeps take over, so
     exact CPs are still recovered to ~eps. The float32 Gram-formula error is only trusted down to ~1e-2 for the
     same reason (cancellation), which is where the hand-over happens.
     """
@@ -449,6 +420,9 @@ def _finalise(query: Tensor, key: Tensor, mixing: Tensor) -> tuple[Tensor, Tenso
     mixing = torch.where(live, mixing / safe, torch.zeros_like(mixing))
     order = torch.argsort(weight, descending=True, stable=True)
     return query[:, order], key[:, order], mixing[:, order]
+
+
+canonical_form = _finalise  # public name: the data-aware route re-balances its mapped-back factors with it
 
 
 def _headwise_start(wq: Tensor, wk: Tensor, rank: int) -> tuple[Tensor, Tensor]:
@@ -545,8 +519,8 @@ def cp_decompose(
         tol: Stop when the relative change of the relative error between sweeps is below ``tol``.
         seed: Seed of the random start (``init="random"``).
         dtype: Compute dtype; the factors are returned in the dtype of ``wq``. With float64 the sweeps run in
-            float32 while the relative error is above 1e-2 (half the cost at the same fit, see "Measured" in the
-            module docstring) and in float64 below it.
+            float32 while the relative error is above 1e-2 (half the cost at the same fit,
+            ``benchmarks/decompose_notes.md``) and in float64 below it.
         init: ``"svd"``: the better (after solving for the mixing) of the head-wise start (the ``rank`` largest
             singular triplets over all slices ``T_i``, one-hot mixing) and the GEVD start of the Tucker core,
             which recovers an exact CP of rank <= ``rank``. ``"random"``: Gaussian query/key. The mixing is then

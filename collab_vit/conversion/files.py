@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import timm
 import torch.nn as nn
 
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
 from ..weights_io import atomic_write, export_safetensors, model_pipeline, read_weights
-from .reparam import LayerReport, reparametrize_layers
+from .calibration import DEFAULT_RIDGE, calibration_images
+from .reparam import LayerReport, probe_input_size, reparametrize_layers
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
 
@@ -83,21 +84,35 @@ def parse_key_dim(text: str) -> Union[int, float, list[int]]:
 
 
 def format_report(reports: list[LayerReport]) -> str:
-    lines = ["| layer | key dim | rel. error of T | rel. error of attention output | seconds |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r.name} | {r.key_dim} | {r.tensor_error:.4f} | {r.output_error:.4f} | {r.seconds:.2f} |"
-              for r in reports]
-    return "\n".join(lines)
+    """Markdown table of the per-layer reports; says what the output error was measured on."""
+    calibrated = any(r.whitened_error is not None for r in reports)
+    refined = any(r.refined_output_error is not None for r in reports)
+    head = ["layer", "key dim", "rel. error of T"] + (["rel. logit error (calibration)"] if calibrated else []) + \
+        ["rel. error of attention output"] + (["after refinement"] if refined else []) + ["seconds"]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for r in reports:
+        cells = [r.name, str(r.key_dim), f"{r.tensor_error:.4f}"]
+        cells += [f"{r.whitened_error:.4f}" if r.whitened_error is not None else "—"] if calibrated else []
+        cells += [f"{r.output_error:.4f}"]
+        cells += [f"{r.refined_output_error:.4f}" if r.refined_output_error is not None else "—"] if refined else []
+        lines.append("| " + " | ".join(cells + [f"{r.seconds:.2f}"]) + " |")
+    notes = {f"attention-output error on {r.error_tokens}" for r in reports}
+    notes |= {f"key dims from the {r.key_dim_from}" for r in reports if r.key_dim_from != "given"}
+    return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
+                    calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
                     **options) -> list[LayerReport]:
     """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
 
     The file records the collaborative model's name and keyword arguments (the source's, see :func:`load_source`,
     plus one key dim per layer) and the source's evaluation data config, so ``eval.py`` and
     ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model from the file alone.
+    ``calibration(source_model, metadata)`` gives calibration images (data-aware conversion, ``options`` as
+    ``reparametrize_layers``'); nothing is written when they are bad. ``device`` runs the model's forward passes
+    and the refinement there (the decompositions run on the CPU).
     """
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
@@ -105,12 +120,17 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         collaborative_name(model_name)  # an unsupported name fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
     target = collaborative_name(model_name)
+    model.to(device)
+    if calibration is not None:
+        options["calibration"] = calibration(model, meta)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)
     model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}
     if model.num_classes != 1000:
         model_kwargs["num_classes"] = model.num_classes
     info = {"source": checkpoint or model_name, "method": method, "seed": seed,
             "layers": [r.as_dict() for r in reports]}
+    if getattr(reports, "summary", None):
+        info["calibration"] = reports.summary
     extra: dict[str, Any] = {"conversion": info, "data_config": meta.get("data_config") or model_pipeline(model)}
     out.parent.mkdir(parents=True, exist_ok=True)
     export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra=extra)
@@ -120,10 +140,15 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     return reports
 
 
-def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95
-                     ) -> tuple[str, int]:
-    """Per-layer spectrum table (Markdown), PNG plot, and the key dim suggested at ``threshold``."""
-    model, model_name, _, _ = load_source(model_name, checkpoint)
-    spectra = layer_spectra(model)
-    plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1)")
-    return format_spectrum_table(spectra), suggest_key_dim(spectra, threshold)
+def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95,
+                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
+                     ridge: float = DEFAULT_RIDGE) -> tuple[str, int]:
+    """Per-layer spectrum table (Markdown), PNG plot, and the key dim suggested at ``threshold``; with
+    ``calibration(model, metadata)`` images, of the whitened forms (the table's last line says which)."""
+    model, model_name, _, meta = load_source(model_name, checkpoint)
+    images = None if calibration is None else calibration_images(calibration(model, meta), probe_input_size(model))
+    spectra = layer_spectra(model, images, ridge)
+    which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"
+    plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1; {which})")
+    table = format_spectrum_table(spectra) + f"\nspectrum of the bilinear forms: {which}\n"
+    return table, suggest_key_dim(spectra, threshold)

@@ -35,7 +35,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from .. import _version
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import atomic_write
-from .reparam import METHODS, collaborative_layer
+from .reparam import METHODS, reparametrize_attention
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 
@@ -167,7 +167,7 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
         dim = state_dict[prefix + "qkv.weight"].shape[1]
         attn = Attention(dim, target.num_heads, qkv_bias=prefix + "qkv.bias" in state_dict)
         attn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        layer, _ = collaborative_layer(attn, target.key_dim, method, **options)
+        layer = reparametrize_attention(attn, target.key_dim, method, **options)
         for key in [k for k in converted if k.startswith(prefix)]:
             del converted[key]
         converted.update({prefix + k: v for k, v in layer.state_dict().items()})

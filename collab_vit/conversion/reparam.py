@@ -3,6 +3,8 @@
 At ``key_dim >= heads x head_dim`` the swap is exact (concatenate construction). Below, the per-head bilinear forms
 ``T[i] = Wq_i Wk_i^T`` get a rank-``key_dim`` Tucker or CP decomposition (``collab_vit.decompose``); the query bias
 stays exact through the content bias ``c_i = Wk_i bq_i`` and the key bias is dropped (constant along softmax rows).
+With calibration images the decomposition is of the forms whitened by the tokens each layer sees (``calibration``,
+``capture``), optionally followed by a label-free refinement towards the source's logits (``refine``).
 """
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention, check_key_dim
 from ..layers.weight_decay import exclude_mixing_from_decay
+from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, whitened_decomposition,
+                          whitened_rank, whitening)
+from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
+from .refine import check_steps, refine_logits
 
 # "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
 METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
@@ -35,8 +41,12 @@ class LayerReport:
     name: str
     key_dim: int
     tensor_error: float  # ||T - T~|| / ||T|| of the bilinear forms
-    output_error: float  # ||attn~(x) - attn(x)|| / ||attn(x)|| on the probe tokens
+    output_error: float  # ||attn~(x) - attn(x)|| / ||attn(x)|| on the probe / held-out tokens (``error_tokens``)
     seconds: float
+    whitened_error: Optional[float] = None  # pooled relative logit error on the calibration tokens (calibrated)
+    error_tokens: str = "random probe images"  # what output_error was measured on
+    key_dim_from: str = "given"  # "given", "weight spectrum" or "whitened spectrum" (energy thresholds)
+    refined_output_error: Optional[float] = None  # output_error after the refinement stage, if it ran
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,25 +105,78 @@ def compressed_from_attention(attn: Attention, decomposition: Decomposition) -> 
     return compressed.train(attn.training)
 
 
-def collaborative_layer(attn: Attention, key_dim: int, method: str = "tucker", **options) -> tuple[
-        CollaborativeAttention, float]:
-    """The collaborative layer replacing ``attn`` at ``key_dim`` and the relative error of its bilinear forms.
+@dataclass
+class LayerFit:
+    """One converted layer and how it was fitted."""
 
-    Exact (error 0) at ``key_dim >= heads x head_dim``; else a ``method`` decomposition with ``options``
-    (``seed, max_iter, tol, dtype``).
-    """
-    if key_dim >= attn.num_heads * attn.head_dim:
-        return CollaborativeAttention.from_attention(attn, key_dim=key_dim), 0.0
+    layer: CollaborativeAttention
+    key_dim: int
+    tensor_error: float  # ||T - T~|| / ||T||
+    whitened_error: Optional[float]  # ||Lq^T (T - T~) Lk|| / ||Lq^T T Lk|| (None without calibration)
+    key_dim_from: str  # "given", "weight spectrum" or "whitened spectrum"
+
+
+def layer_key_dim(spec: Union[None, int, float], wq: torch.Tensor, wk: torch.Tensor,
+                  sides: Optional[tuple[Whitening, Whitening]]) -> tuple[int, str]:
+    """The key dim of one layer and where it came from: given, or an energy threshold on the weight spectrum
+    (section 3.1), or on the whitened spectrum when calibration statistics are given."""
+    if spec is None:
+        return wq.shape[0] * wq.shape[2], "given"
+    if isinstance(spec, numbers.Real) and not isinstance(spec, (bool, numbers.Integral)):
+        if not 0 < spec <= 1:
+            raise ValueError(f"an energy threshold key_dim must be in (0, 1], got {spec!r}")
+        if sides is not None:
+            return whitened_rank(wq, wk, sides, spec), "whitened spectrum"
+        return rank_for_energy(energy_spectrum(wq, wk)[0], spec), "weight spectrum"
+    return check_key_dim(spec), "given"
+
+
+def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str = "tucker",
+                  calibration: Union[None, torch.Tensor, TokenMoments] = None, ridge: float = DEFAULT_RIDGE,
+                  **options) -> LayerFit:
+    """:func:`reparametrize_attention` with the errors of the fit (see there)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+    sides = None
+    if calibration is not None:
+        moments = calibration if isinstance(calibration, TokenMoments) else TokenMoments.of(calibration)
+        if moments.dim != attn.qkv.in_features:
+            raise ValueError(f"calibration tokens have D={moments.dim}, the layer has D={attn.qkv.in_features}")
+        sides = whitening(moments, ridge)
     wq, wk = split_qkv_heads(attn.qkv.weight.detach().cpu(), attn.num_heads)
+    rank, source = layer_key_dim(key_dim, wq, wk, sides)
+    if rank >= attn.num_heads * attn.head_dim:
+        return LayerFit(CollaborativeAttention.from_attention(attn, key_dim=rank), rank, 0.0,
+                        None if sides is None else 0.0, source)
+    whitened = None
     with single_thread():
-        decomposition = METHODS[method](wq, wk, key_dim, **options)
-    return compressed_from_attention(attn, decomposition), decomposition.relative_error
+        if sides is None:
+            decomposition = METHODS[method](wq, wk, rank, **options)
+        else:
+            decomposition, whitened = whitened_decomposition(wq, wk, rank, sides, METHODS[method], **options)
+    return LayerFit(compressed_from_attention(attn, decomposition), rank, decomposition.relative_error, whitened,
+                    source)
+
+
+def reparametrize_attention(attn: Attention, key_dim: Union[None, int, float], method: str = "tucker",
+                            calibration: Union[None, torch.Tensor, TokenMoments] = None,
+                            **options) -> CollaborativeAttention:
+    """The ``CollaborativeAttention`` replacing the timm ``attn`` at ``key_dim`` (section 3.3); ``attn`` is unchanged.
+
+    Exact at ``key_dim >= heads x head_dim`` (or None), with or without calibration. Below, a ``method``
+    decomposition (``"tucker"``, ``"cp"``, ``"parafac"``; ``options``: ``seed, max_iter, tol, dtype``) of the
+    bilinear forms ``T_i = Wq_i Wk_i^T``: weight-only without ``calibration``; with it (the ``(B, N, D)`` tokens the
+    layer sees, or their streamed ``TokenMoments``), of the forms whitened by the tokens' statistics, so that the
+    logits on those tokens are kept (docs/math.md, "Data-aware conversion"; ``ridge`` relative to the mean
+    eigenvalue). ``key_dim`` may be an energy threshold in (0, 1]: on the whitened spectrum when calibrated.
+    """
+    return fit_attention(attn, key_dim, method, calibration, **options).layer
 
 
 @contextmanager
 def single_thread() -> Iterator[None]:
     """Run the decomposition on one thread: its matrices are small (D x key_dim), and measured on 2 shared cores
-    one thread took 38 s for DeiT-B's 12 layers where two took 256 s (decompose.py docstring)."""
+    one thread took 38 s for DeiT-B's 12 layers where two took 256 s (benchmarks/decompose_notes.md)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -132,23 +195,69 @@ def probe_input_size(model: nn.Module) -> tuple[int, int, int]:
 
 def _capture_inputs(model: nn.Module, layers: list[tuple[str, Attention]], probe: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tokens each attention layer sees when the original model runs on ``probe`` images."""
-    seen: dict[str, torch.Tensor] = {}
     was_training = model.training
     model.eval()
-    hooks = [attn.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[0].detach()))
-             for name, attn in layers]
     try:
-        with torch.no_grad():
-            model(probe)
+        _, held, _ = source_tokens(model, layers, probe, 0, probe.shape[0])
     finally:
-        for hook in hooks:
-            hook.remove()
         model.train(was_training)
-    return seen
+    return {name: tokens for (name, _), tokens in zip(layers, held)}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@torch.no_grad()
+def _output_error(layer: nn.Module, original: nn.Module, tokens: torch.Tensor) -> float:
+    device = next(layer.parameters()).device
+    was = layer.training, original.training
+    out, ref = layer.eval()(tokens.to(device)), original.eval()(tokens.to(device))
+    layer.train(was[0])
+    original.train(was[1])
+    return _relative(out, ref)
+
+
+class ConversionReport(list):
+    """The ``LayerReport`` of every layer (a list), and ``summary``: what the calibration stage did (capture,
+    images fitted / held out, peak bytes of calibration tokens held, seconds, refinement losses)."""
+
+    def __init__(self, reports: Sequence[LayerReport] = (), summary: Optional[dict] = None) -> None:
+        super().__init__(reports)
+        self.summary = summary or {}
+
+
+def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, layer)
+
+
+def _layer_specs(spec: KeyDimSpec, layers: list[tuple[str, Attention]]) -> list[Union[None, int, float]]:
+    """Per-layer key dim specs (an int, a threshold, or None) after the checks of ``resolve_key_dims``."""
+    if isinstance(spec, (list, tuple)):
+        resolve_key_dims(spec, layers)
+        return list(spec)
+    if spec is not None and not (isinstance(spec, numbers.Real) and not isinstance(spec, bool)):
+        raise ValueError(f"key_dim must be a positive integer, a list or a threshold in (0, 1], got {spec!r}")
+    if isinstance(spec, numbers.Integral):
+        check_key_dim(int(spec))
+    elif spec is not None and not 0 < spec <= 1:
+        raise ValueError(f"an energy threshold key_dim must be in (0, 1], got {spec!r}")
+    return [spec] * len(layers)
+
+
+def _split_holdout(images: torch.Tensor, holdout: Union[None, int, torch.Tensor], size: Sequence[int]
+                   ) -> tuple[torch.Tensor, int]:
+    """All images (fitting ones first) and the number that fit. Default hold-out: an eighth, 1 to 32 images."""
+    if isinstance(holdout, torch.Tensor):
+        return torch.cat([images, calibration_images(holdout, size)]), images.shape[0]
+    n = images.shape[0]
+    if holdout is None:
+        holdout = min(max(1, n // 8), 32) if n >= 2 else 0
+    if isinstance(holdout, bool) or not isinstance(holdout, numbers.Integral) or not 0 <= holdout < n:
+        raise ValueError(f"holdout must be an int in [0, {n}) for {n} calibration images, or an image tensor, "
+                         f"got {holdout!r}")
+    return images, n - int(holdout)
 
 
 def reparametrize_layers(
@@ -161,7 +270,17 @@ def reparametrize_layers(
         dtype: torch.dtype = torch.float64,
         probe: Optional[torch.Tensor] = None,
         progress: bool = True,
-) -> list[LayerReport]:
+        *,
+        calibration: Optional[Calibration] = None,
+        max_images: Optional[int] = None,
+        holdout: Union[None, int, torch.Tensor] = None,
+        capture: str = "source",
+        ridge: float = DEFAULT_RIDGE,
+        refine_steps: int = 0,
+        refine_lr: float = 1e-3,
+        batch_size: int = 64,
+        whiten: bool = True,
+) -> ConversionReport:
     """Swap every timm ``Attention`` of ``model`` in place; return one ``LayerReport`` per layer.
 
     Args:
@@ -169,30 +288,106 @@ def reparametrize_layers(
         method: ``"tucker"`` (compress, then CP of the core), ``"cp"`` (ALS on the full factored tensor) or
             ``"parafac"`` (the paper's procedure: tensorly's CP-ALS on the dense tensor, random start).
         seed, max_iter, tol, dtype: passed to the decomposition (deterministic given the seed).
-        probe: images for the attention-output error (default: 2 random images at the model's input size).
+        probe: images for the attention-output error without calibration (default: 2 random images).
+        calibration: images (a (B, C, H, W) tensor, or an iterable of batches: ``(images, labels)`` or images) in
+            the model's input format. Each layer is then fitted to keep its logits on the tokens it sees
+            (``reparametrize_attention``), and its output error is measured on held-out calibration images.
+        max_images: read at most this many calibration images.
+        holdout: calibration images kept out of the fit for the output error (default an eighth, 1-32), or a
+            tensor of separate held-out images.
+        capture: ``"source"`` (tokens of the unconverted model) or ``"sequential"`` (of the partially converted
+            one, layer after layer; ``capture.py``).
+        ridge: relative ridge of the token moments (``calibration.DEFAULT_RIDGE``).
+        refine_steps, refine_lr: Adam steps (and their lr) of the label-free refinement of ``W~q, W~k, M`` towards
+            the source model's logits on the fitting images (``refine.py``; seeded by ``seed``); 0: none.
+        batch_size: images per forward pass of the calibration stage.
+        whiten: fit the whitened forms (data-aware); False: the weight-only fit, the calibration images then serve
+            the refinement and the held-out output error only.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
     layers = timm_attention_layers(model)
+    options = dict(seed=seed, max_iter=max_iter, tol=tol, dtype=dtype)
+    if calibration is None:
+        if refine_steps:
+            raise ValueError("refine_steps needs calibration images")
+        return _weight_only(model, layers, key_dim, method, probe, progress, options)
+    if capture not in CAPTURES:
+        raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    check_steps(refine_steps)
+    specs = _layer_specs(key_dim, layers)
+    size = probe_input_size(model)
+    images, fit = _split_holdout(calibration_images(calibration, size, max_images, batch_size), holdout, size)
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    targets = model_outputs(model, images[:fit], batch_size) if refine_steps else None
+    fits: dict[int, tuple[LayerFit, float]] = {}
+    bar = tqdm(total=len(layers), desc=f"data-aware {method} ({capture} tokens)", disable=not progress)
+
+    def convert(index: int, moments: TokenMoments) -> None:
+        name, attn = layers[index]
+        began = time.perf_counter()
+        fitted = fit_attention(attn, specs[index], method, moments if whiten else None, ridge, **options)
+        fits[index] = fitted, time.perf_counter() - began
+        _swap(model, name, fitted.layer.eval())
+        bar.update()
+
+    try:
+        if capture == "source":
+            moments, held, peak = source_tokens(model, layers, images, fit, batch_size)
+            for index, layer_moments in enumerate(moments):
+                convert(index, layer_moments)
+        else:
+            held, peak = sequential_tokens(model, layers, images, fit, batch_size, convert)
+    finally:
+        bar.close()
+    captured = time.perf_counter() - start - sum(seconds for _, seconds in fits.values())
+    where = (f"{images.shape[0] - fit} held-out calibration images" if fit < images.shape[0]
+             else f"the {fit} fitting images (none held out)")
+    reports = []
+    for index, (name, attn) in enumerate(layers):
+        fitted, seconds = fits[index]
+        tokens = held[index] if held[index] is not None else None
+        error = _output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
+        reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, seconds, fitted.whitened_error,
+                                   where, fitted.key_dim_from))
+    summary = {"capture": capture, "images_fit": fit, "images_held_out": images.shape[0] - fit, "ridge": ridge,
+               "peak_token_bytes": peak, "capture_seconds": captured}
+    if refine_steps:
+        result = refine_logits(model, [fits[i][0].layer for i in range(len(layers))], images[:fit], targets,
+                               refine_steps, refine_lr, batch_size, seed, progress)
+        summary["refine"] = {"steps": result.steps, "seconds": result.seconds, "lr": refine_lr,
+                             "first_loss": result.first_loss, "last_loss": result.last_loss,
+                             "kl_before": result.kl_before, "kl_after": result.kl_after,
+                             "kept_start": result.kept_start}
+        for index, report in enumerate(reports):
+            if held[index] is not None:
+                report.refined_output_error = _output_error(fits[index][0].layer, layers[index][1], held[index])
+    model.train(was_training)
+    exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
+    return ConversionReport(reports, summary)
+
+
+def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim: KeyDimSpec, method: str,
+                 probe: Optional[torch.Tensor], progress: bool, options: dict) -> ConversionReport:
+    """The weight-only conversion, output errors on the tokens of ``probe`` images (default 2 random ones)."""
     key_dims = resolve_key_dims(key_dim, layers)
     if probe is None:
-        probe = torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(seed))
+        probe = torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(options["seed"]))
     device = next(model.parameters()).device
     inputs = _capture_inputs(model, layers, probe.to(device))
     reports = []
     for (name, attn), rank in zip(tqdm(layers, desc=f"{method} re-parametrisation", disable=not progress), key_dims):
-        was_training, start = attn.training, time.perf_counter()
-        layer, tensor_error = collaborative_layer(attn, rank, method, seed=seed, max_iter=max_iter, tol=tol,
-                                                  dtype=dtype)
+        start = time.perf_counter()
+        fitted = fit_attention(attn, rank, method, **options)
         seconds = time.perf_counter() - start
-        with torch.no_grad():
-            output_error = _relative(layer.eval()(inputs[name]), attn.eval()(inputs[name]))
-        layer.train(was_training)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer)
-        reports.append(LayerReport(name, rank, tensor_error, output_error, seconds))
+        output_error = _output_error(fitted.layer, attn, inputs[name])
+        _swap(model, name, fitted.layer)
+        from_ = "weight spectrum" if isinstance(key_dim, float) else "given"
+        reports.append(LayerReport(name, rank, fitted.tensor_error, output_error, seconds, key_dim_from=from_))
     exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
-    return reports
+    return ConversionReport(reports)
 
 
 def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "tucker", seed: int = 0,
@@ -200,7 +395,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
     """Replace every timm ``Attention`` in ``model`` (in place) by a ``CollaborativeAttention``; return ``model``.
 
     Exact with ``key_dim=None`` or ``key_dim >= heads x head_dim``; otherwise a rank-``key_dim`` ``method``
-    decomposition (see ``reparametrize_layers`` for the options and for the per-layer report).
+    decomposition, weight-only or, with ``calibration=`` images, data-aware (see ``reparametrize_layers`` for the
+    options and for the per-layer report).
     """
     reparametrize_layers(model, key_dim, method, seed, **options)
     return model

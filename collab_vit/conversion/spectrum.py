@@ -23,6 +23,8 @@ import torch
 from timm.layers import Attention
 from torch import Tensor, nn
 
+from .calibration import DEFAULT_RIDGE, whitening
+from .capture import source_tokens
 from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
 from .reparam import timm_attention_layers
 
@@ -58,6 +60,7 @@ class LayerSpectrum:
     name: str
     cumulative_energy: Tensor
     dims_needed: dict[float, int]
+    whitened: bool = False  # True: the spectrum of the forms whitened by calibration tokens (docs/math.md)
 
     @property
     def total_dims(self) -> int:
@@ -66,8 +69,12 @@ class LayerSpectrum:
 
 
 @torch.no_grad()
-def layer_spectra(model: nn.Module) -> list[LayerSpectrum]:
+def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: float = DEFAULT_RIDGE
+                  ) -> list[LayerSpectrum]:
     """The section 3.1 spectrum of every timm ``Attention`` layer of ``model`` (weights copied to float64 on CPU).
+
+    With ``calibration`` images (B, C, H, W), the spectrum of the whitened forms ``Lq^T T_i Lk`` instead: the dims
+    that carry the logits on the tokens each layer sees (docs/math.md, "Data-aware conversion").
 
     Only the query/key weights enter: biases shift logits by terms that the collaborative layer carries in its
     content bias, and with ``qk_norm`` the per-head normalisation sits between the projections (the spectrum then
@@ -78,14 +85,23 @@ def layer_spectra(model: nn.Module) -> list[LayerSpectrum]:
             (``attn_head_dim`` set), which ``decompose.split_qkv_heads`` does not handle.
     """
     spectra = []
-    for name, attn in timm_attention_layers(model):
+    layers = timm_attention_layers(model)
+    moments = None
+    if calibration is not None:
+        was_training = model.training
+        moments, _, _ = source_tokens(model.eval(), layers, calibration, calibration.shape[0], 64)
+        model.train(was_training)
+    for index, (name, attn) in enumerate(layers):
         weight = attn.qkv.weight.detach().to(device="cpu", dtype=torch.float64)
         if weight.shape[0] != 3 * weight.shape[1]:
             raise ValueError(f"{name}: qkv weight {tuple(weight.shape)} is not (3D, D); attn_head_dim is not supported")
         wq, wk = split_qkv_heads(weight, attn.num_heads)
+        if moments is not None:
+            side_q, side_k = whitening(moments[index], ridge)
+            wq, wk = side_q.root.T @ wq, side_k.root.T @ wk
         query_energy, _ = energy_spectrum(wq, wk)
         dims = {t: rank_for_energy(query_energy, t) for t in THRESHOLDS}
-        spectra.append(LayerSpectrum(name, query_energy, dims))
+        spectra.append(LayerSpectrum(name, query_energy, dims, moments is not None))
     return spectra
 
 

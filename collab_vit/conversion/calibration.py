@@ -1,0 +1,195 @@
+"""Calibration statistics for data-aware re-parametrisation (docs/math.md, "Data-aware conversion").
+
+The logits of head i on the tokens of one image are ``x_n T_i x_m^T`` (section 3.3, plus the exact content bias).
+Their squared error under ``T_i -> T~_i``, summed over images, with the key side centred within each image (softmax
+ignores what is constant along a row), is approximated by ``tr(E_i^T S E_i C)`` with ``S`` the uncentred second
+moment of the tokens (query side) and ``C`` their within-image centred covariance (key side), pooled over images.
+With ``S + lam I = Lq Lq^T`` and ``C + lam' I = Lk Lk^T`` that is ``||Lq^T E_i Lk||_F^2``: the weight-only
+decomposition of the whitened factors ``(Lq^T Wq_i, Lk^T Wk_i)``, mapped back by ``Lq^{-T}``, ``Lk^{-T}``.
+
+:class:`TokenMoments` streams both D x D moments batch by batch (float64 accumulators); :func:`whitener` adds the
+ridge; :func:`calibration_images` turns a tensor or a loader into checked image batches.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .decompose import Decomposition, canonical_form, energy_spectrum, rank_for_energy, relative_error
+
+__all__ = ["DEFAULT_RIDGE", "TokenMoments", "Whitening", "whitener", "whitening", "whitened_decomposition",
+           "whitened_rank", "calibration_images"]
+
+# Ridge added to each moment, relative to its mean eigenvalue (trace / D). It makes every moment invertible (fewer
+# tokens than D, constant features, fp16 weights), and it bounds how far a direction the calibration tokens never
+# visit may be neglected: it is weighted as if it held 1 % of an average direction's energy.
+DEFAULT_RIDGE = 1e-2
+
+Calibration = Union[Tensor, Iterable]
+
+
+class TokenMoments:
+    """Streamed D x D moments of the tokens one attention layer sees (docs/math.md, "Data-aware conversion").
+
+    ``query``: ``sum_t x_t x_t^T`` over every token of every image (uncentred: the query side of the logits).
+    ``key``: ``sum_b sum_m (x_m - mean_b)(x_m - mean_b)^T`` with ``mean_b`` the mean token of image b (the key side:
+    softmax ignores terms constant along a row). Each batch is multiplied in its own dtype (at least float32) and
+    added to float64 accumulators, so float64 tokens give float64 moments whatever the batch sizes.
+    """
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.query = torch.zeros(dim, dim, dtype=torch.float64)
+        self.key = torch.zeros(dim, dim, dtype=torch.float64)
+        self.tokens = 0
+        self.images = 0
+
+    @classmethod
+    def of(cls, tokens: Tensor) -> "TokenMoments":
+        """The moments of one (B, N, D) token tensor."""
+        check_tokens(tokens)
+        moments = cls(tokens.shape[-1])
+        moments.update(tokens)
+        return moments
+
+    @torch.no_grad()
+    def update(self, tokens: Tensor) -> None:
+        """Add a (B, N, D) batch of tokens (B images of N tokens)."""
+        check_tokens(tokens, self.dim)
+        x = tokens.detach()
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        flat = x.reshape(-1, self.dim)
+        centred = (x - x.mean(dim=1, keepdim=True)).reshape(-1, self.dim)
+        self.query += (flat.T @ flat).to(device="cpu", dtype=torch.float64)
+        self.key += (centred.T @ centred).to(device="cpu", dtype=torch.float64)
+        self.tokens += flat.shape[0]
+        self.images += x.shape[0]
+
+
+def check_tokens(tokens: object, dim: Optional[int] = None) -> None:
+    """A (B, N, D) floating tensor of finite tokens, else a one-line ``ValueError``."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 3 or not tokens.is_floating_point():
+        raise ValueError(f"calibration tokens must be a floating (B, N, D) tensor, got "
+                         f"{getattr(tokens, 'shape', type(tokens).__name__)}")
+    if dim is not None and tokens.shape[-1] != dim:
+        raise ValueError(f"calibration tokens have D={tokens.shape[-1]}, the layer has D={dim}")
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"calibration tokens are empty: shape {tuple(tokens.shape)}")
+    if not bool(torch.isfinite(tokens).all()):
+        raise ValueError("calibration tokens contain NaN or infinite values")
+
+
+@dataclass
+class Whitening:
+    """``root @ root.T = moment / count + lam I`` and ``inverse_t = root^{-T}``, both (D, D) float64."""
+
+    root: Tensor
+    inverse_t: Tensor
+    ridge: float  # lam, absolute
+
+
+def whitener(moment: Tensor, count: int, ridge: float = DEFAULT_RIDGE) -> Whitening:
+    """Symmetric square root of ``moment / count + lam I`` with ``lam = ridge * trace / D`` (1 for a zero moment).
+
+    ``eigh`` gives ``V diag(e) V^T``; the eigenvalues are clamped at ``lam`` (their exact lower bound) against
+    round-off, so ``root = V diag(sqrt e)`` and ``root^{-T} = V diag(1 / sqrt e)`` are finite for any finite moment.
+    """
+    if isinstance(ridge, bool) or not isinstance(ridge, numbers.Real) or not ridge > 0 or not math.isfinite(ridge):
+        raise ValueError(f"ridge must be a positive finite number, got {ridge!r}")
+    s = moment.to(torch.float64) / max(count, 1)
+    s = (s + s.T) / 2
+    d = s.shape[0]
+    mean_eig = float(s.diagonal().sum()) / d
+    lam = ridge * mean_eig if mean_eig > 0 else 1.0
+    e, v = torch.linalg.eigh(s + lam * torch.eye(d, dtype=torch.float64))
+    root = e.clamp_min(lam).sqrt()
+    return Whitening(v * root, v / root, lam)
+
+
+def whitening(moments: TokenMoments, ridge: float = DEFAULT_RIDGE) -> tuple[Whitening, Whitening]:
+    """(query side, key side) whitenings of one layer's moments."""
+    if moments.tokens == 0:
+        raise ValueError("no calibration tokens were seen")
+    return whitener(moments.query, moments.tokens, ridge), whitener(moments.key, moments.tokens, ridge)
+
+
+def _whitened_factors(wq: Tensor, wk: Tensor, sides: tuple[Whitening, Whitening]) -> tuple[Tensor, Tensor]:
+    """``(Lq^T wq_i, Lk^T wk_i)``: the per-head factors of ``Lq^T T_i Lk`` (float64)."""
+    wq, wk = wq.to(torch.float64), wk.to(torch.float64)
+    return sides[0].root.T @ wq, sides[1].root.T @ wk
+
+
+def whitened_rank(wq: Tensor, wk: Tensor, sides: tuple[Whitening, Whitening], threshold: float) -> int:
+    """Fewest dims holding ``threshold`` of the query-side energy of the whitened tensor (the logits on the tokens)."""
+    return rank_for_energy(energy_spectrum(*_whitened_factors(wq, wk, sides))[0], threshold)
+
+
+def whitened_decomposition(wq: Tensor, wk: Tensor, rank: int, sides: tuple[Whitening, Whitening], decompose,
+                           **options) -> tuple[Decomposition, float]:
+    """``decompose`` run on the whitened factors, mapped back; and the relative error in the whitened space.
+
+    The returned ``Decomposition`` is in weight space (``relative_error`` is ``||T - T~|| / ||T||``, float64) and in
+    the canonical form of ``decompose.canonical_form`` (balanced query/key columns): mapping back changes no logit.
+    The second value is ``||Lq^T (T - T~) Lk|| / ||Lq^T T Lk||``, the pooled relative logit error (ridge included).
+    """
+    a, b = _whitened_factors(wq, wk, sides)
+    fit = decompose(a, b, rank, **options)
+    query = sides[0].inverse_t @ fit.query.to(torch.float64)
+    key = sides[1].inverse_t @ fit.key.to(torch.float64)
+    query, key, mixing = canonical_form(query, key, fit.mixing.to(torch.float64))
+    out = wq.dtype
+    query, key, mixing = query.to(out), key.to(out), mixing.to(out)
+    return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), fit.iterations), \
+        fit.relative_error
+
+
+def calibration_images(calibration: Calibration, input_size: Sequence[int], max_images: Optional[int] = None,
+                       batch_size: int = 64) -> Tensor:
+    """The calibration images as one (B, C, H, W) float tensor, checked against the model's ``input_size``.
+
+    ``calibration``: a (B, C, H, W) tensor, or an iterable of batches (a ``DataLoader`` yielding ``(images,
+    labels)`` or images). At most ``max_images`` are read. One-line ``ValueError`` for an empty input, a wrong
+    shape (channels, size) or non-finite pixels.
+    """
+    if max_images is not None and (isinstance(max_images, bool) or not isinstance(max_images, numbers.Integral)
+                                   or max_images <= 0):
+        raise ValueError(f"max_images must be a positive int, got {max_images!r}")
+    batches = calibration.split(batch_size) if isinstance(calibration, Tensor) else calibration
+    try:
+        iterator: Iterator = iter(batches)
+    except TypeError:
+        raise ValueError(f"calibration must be an image tensor or an iterable of batches, got "
+                         f"{type(calibration).__name__}") from None
+    kept, count = [], 0
+    for batch in iterator:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        _check_images(images, input_size)
+        if max_images is not None:
+            images = images[: max_images - count]
+        kept.append(images.detach())
+        count += images.shape[0]
+        if max_images is not None and count >= max_images:
+            break
+    if count == 0:
+        raise ValueError("calibration data is empty: no images")
+    return torch.cat(kept)
+
+
+def _check_images(images: object, input_size: Sequence[int]) -> None:
+    channels, height, width = input_size
+    if not isinstance(images, Tensor) or images.dim() != 4 or not images.is_floating_point():
+        raise ValueError(f"calibration images must be floating (B, C, H, W) tensors, got "
+                         f"{getattr(images, 'shape', type(images).__name__)}")
+    if images.shape[1] != channels:
+        raise ValueError(f"calibration images have {images.shape[1]} channels, the model takes {channels}")
+    if tuple(images.shape[2:]) != (height, width):
+        raise ValueError(f"calibration images are {images.shape[2]}x{images.shape[3]} px, the model takes "
+                         f"{height}x{width}")
+    if not bool(torch.isfinite(images).all()):
+        raise ValueError("calibration images contain NaN or infinite values")

@@ -1,0 +1,85 @@
+"""``collab-vit convert`` with calibration images: flags, the file it writes, one-line errors with nothing written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+
+from collab_vit.cli import build_parser, main as cli_main
+from collab_vit.weights_io import export_safetensors
+from tinyrun import make_image_folder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KWARGS = dict(img_size=16, patch_size=4, depth=2, embed_dim=24, num_heads=3, num_classes=3)
+
+
+def exported(tmp_path, in_chans: int = 3, size: int = 16) -> str:
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", in_chans=in_chans, **KWARGS).eval()
+    data_config = {"input_size": [in_chans, size, size], "mean": [0.5] * in_chans, "std": [0.25] * in_chans,
+                   "crop_pct": 1.0, "interpolation": "bicubic", "crop_mode": "center"}
+    path = tmp_path / f"source_c{in_chans}_s{size}.safetensors"
+    export_safetensors(model.state_dict(), str(path), "deit_tiny_patch16_224", {**KWARGS, "in_chans": in_chans},
+                       {"data_config": data_config})
+    return str(path)
+
+
+def test_help_lists_the_calibration_flags() -> None:
+    convert = build_parser()._subparsers._group_actions[0].choices["convert"]
+    text = convert.format_help()
+    for flag in ("--calibration-dataset", "--calibration-data-dir", "--calibration-split", "--calibration-images",
+                 "--calibration-capture", "--refine-steps", "--ridge"):
+        assert flag in text
+
+
+def test_convert_with_calibration_images(tmp_path) -> None:
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
+    out = tmp_path / "k6.safetensors"
+    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
+                     "--calibration-data-dir", data, "--calibration-images", "10", "--refine-steps", "2"]) == 0
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["calibration"]["images_fit"] == 9 and sidecar["calibration"]["images_held_out"] == 1
+    assert sidecar["calibration"]["refine"]["steps"] == 2
+    assert all(layer["error_tokens"] == "1 held-out calibration images" and layer["whitened_error"] > 0
+               for layer in sidecar["layers"])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("channels", "calibration images have 3 channels, the model takes 1"),
+    ("size", "calibration images are 20x20 px, the model takes 16x16"),
+    ("empty", "no images"),
+    ("count", "--calibration-images must be positive"),
+    ("no dir", "need --calibration-data-dir"),
+])
+def test_bad_calibration_input_is_one_line_and_writes_nothing(tmp_path, capsys, case: str, message: str) -> None:
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    source = exported(tmp_path, in_chans=1 if case == "channels" else 3, size=20 if case == "size" else 16)
+    flags = ["--calibration-data-dir", data]
+    if case == "empty":
+        (tmp_path / "empty" / "train").mkdir(parents=True)
+        flags = ["--calibration-data-dir", str(tmp_path / "empty")]
+    elif case == "count":
+        flags += ["--calibration-images", "0"]
+    elif case == "no dir":
+        flags = ["--refine-steps", "5"]
+    out = tmp_path / "bad.safetensors"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["convert", "--checkpoint", source, "--key-dim", "6", "--out", str(out), *flags])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -> None:
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=3, val_per_class=1)
+    source = exported(tmp_path)
+    capsys.readouterr()
+    assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "w.png"),
+                     "--calibration-data-dir", data, "--calibration-images", "5"]) == 0
+    assert "spectrum of the bilinear forms: whitened by 5 calibration images" in capsys.readouterr().out
+    assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "p.png")]) == 0
+    assert "spectrum of the bilinear forms: weights" in capsys.readouterr().out

@@ -1,0 +1,33 @@
+"""experiments/data_aware.py runs end to end on a tiny setting (a random-weight source, 8 calibration images), so
+it cannot rot: every per-run JSON, the tables and the plot it promises are written."""
+import json
+
+import pytest
+import timm
+import torch
+
+from collab_vit.weights_io import export_safetensors
+from test_experiments import run, tiny_fashion_mnist  # noqa: F401  (the fixture: 200 train / 100 test images)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=1, embed_dim=16, num_heads=2, num_classes=10)
+    torch.manual_seed(0)
+    source = tmp_path / 'source.safetensors'
+    export_safetensors(timm.create_model('deit_tiny_patch16_224', **kwargs).state_dict(), str(source),
+                       'deit_tiny_patch16_224', kwargs,
+                       {'data_config': {'input_size': [1, 28, 28], 'mean': [0.286], 'std': [0.353], 'crop_pct': 1.0,
+                                        'interpolation': 'bicubic', 'crop_mode': 'center'}})
+    results = tmp_path / 'results'
+    run('data_aware.py', '--source', source, '--data-dir', tiny_fashion_mnist, '--results', results, '--key-dims',
+        '4', '--images', '8', '--refine-steps', '2')
+    names = ['weight_k4', 'data_k4_n8', 'data_refine_k4_n8', 'weight_refine_k4_n8', 'data-seq_k4_n8', 'cut_k4',
+             'cut-white_k4_n8']
+    for name in names:
+        row = json.loads((results / f'{name}.json').read_text())
+        assert row['key_dims'] == [4] and 0 <= row['top1'] <= 100 and row['output_error'] > 0
+    assert json.loads((results / 'data_refine_k4_n8.json').read_text())['summary']['refine']['steps'] == 2
+    assert (results / 'table.md').read_text().count('| 4 |') == len(names) + 2  # the cells, then two summary rows
+    assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
