@@ -7,26 +7,38 @@ timm's ``deit.py``:
   block) and ``mixing_init`` (``"concatenate"`` or ``"random"``);
 * ``collab_deit_{size}_patch16_224_k{N}`` -- the paper's grid, key dim fixed by the name;
 * ``concat_deit_{size}_patch16_224`` (keyword ``key_dim``) and ``concat_deit_{size}_patch16_224_k{N}`` -- standard
-  attention with each head's key/query dim cut to ``key_dim / heads``.
+  attention with each head's key/query dim cut to ``key_dim / heads``;
+* ``collab_vit_generic`` -- any timm ViT design (the keyword arguments of timm's ``VisionTransformer``) with
+  collaborative or cut attention, ``key_dim`` an int or one per block: what ``collab_vit.save_pretrained`` names
+  for a converted model that is not a DeiT.
 
 All are :class:`CollabVisionTransformer` (timm's ``VisionTransformer`` whose ``no_weight_decay()`` also names the
 mixing matrices, so that timm's ``create_optimizer_v2`` -- with or without ``layer_decay`` -- keeps them out of
-weight decay). With ``pretrained=True`` the ``.fb_in1k`` tags load timm's DeiT weights and convert them on load
-(``conversion_method``); a file written by this package (``pretrained_cfg_overlay=dict(file=...)``) supplies the
-architecture it records (key dims, sizes, classes, channels) unless the call overrides it.
+weight decay). With ``pretrained=True`` the ``.fb_in1k`` tags (every ``collab_deit_*`` name, the paper's grid too)
+load timm's DeiT weights and convert them on load (``conversion_method``); a file written by this package
+(``pretrained_cfg_overlay=dict(file=...)``) supplies the architecture it records (key dims, sizes, classes, channels)
+and its evaluation pipeline unless the call overrides them.
+
+Evaluation crop (``crop_pct``): a model holding timm's DeiT weights (``pretrained=True`` on a ``.fb_in1k`` tag) has
+the evaluation pipeline of timm's own cfg for those weights (``crop_pct`` 0.9, read from timm's registry), so a
+conversion is scored exactly as its source; a model built without them (trained from scratch by ``train.py``, which
+follows DeiT's recipe) has DeiT's 0.875 (resize 256, centre crop 224), the paper's and ``train.py``'s evaluation.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional, Sequence, Type, Union
 
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Attention
-from timm.models import VisionTransformer, build_model_with_cfg, generate_default_cfgs, register_model
+from timm.layers import Attention, GluMlp, Mlp, SwiGLU, get_norm_layer
+from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 
 from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 from .layers.attention import (CollaborativeAttention, ConcatAttention, attention_class, check_key_dim,
                                per_block_attention_class)
+from .layers.weight_decay import CollabVisionTransformer
+from .weights_io import EVAL_KEYS, safetensors_metadata
 
 # DeiT sizes (Touvron et al. 2021), patch 16 at 224 px.
 DEIT_ARCHS: dict[str, dict[str, int]] = {
@@ -37,14 +49,9 @@ DEIT_ARCHS: dict[str, dict[str, int]] = {
 # The paper's key-dim grid: full, 1/2 and 1/4 of the embed dim (collaborative); the reduced ones for the baseline.
 KEY_DIM_GRID: dict[str, tuple[int, ...]] = {"tiny": (192, 96, 48), "small": (384, 192, 96), "base": (768, 384, 192)}
 EVAL_CROP_PCT = 0.875  # DeiT's evaluation (resize 256, centre crop 224): the trainer's and eval.py's default too
-
-
-class CollabVisionTransformer(VisionTransformer):
-    """timm's ``VisionTransformer`` whose ``no_weight_decay()`` adds every attention layer's mixing matrix."""
-
-    def no_weight_decay(self) -> set[str]:
-        mixing = {name for name, _ in self.named_parameters() if name.endswith(".mixing")}
-        return set(super().no_weight_decay()) | mixing
+GENERIC_MODEL = "collab_vit_generic"
+ATTENTIONS: dict[str, Type[nn.Module]] = {"collaborative": CollaborativeAttention, "concatenate": ConcatAttention}
+MLP_LAYERS: dict[str, Any] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": partial(GluMlp, gate_last=False)}
 
 
 def _cfg(**kwargs: Any) -> dict[str, Any]:
@@ -56,6 +63,12 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
         "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0",
         **kwargs,
     }
+
+
+def deit_eval_cfg(size: str) -> dict[str, Any]:
+    """The evaluation pipeline of timm's own cfg for its DeiT weights (``deit_{size}_patch16_224.fb_in1k``)."""
+    source = get_pretrained_cfg(f"deit_{size}_patch16_224.fb_in1k").to_dict()
+    return {key: source[key] for key in EVAL_KEYS}
 
 
 def collab_name(size: str, key_dim: Optional[int] = None) -> str:
@@ -76,8 +89,9 @@ DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k",
                            url=f"https://dl.fbaipublicfiles.com/deit/deit_{size}_patch16_224-{sha}.pth")
                 for size, sha in (("tiny", "a1311bcf"), ("small", "cd65a155"), ("base", "b5f2ef4d"))}
 default_cfgs = generate_default_cfgs({
-    **{f"{collab_name(size)}.fb_in1k": _cfg(**DEIT_WEIGHTS[size]) for size in DEIT_ARCHS},
-    **{name: _cfg() for name in COLLAB_MODELS[len(DEIT_ARCHS):] + CONCAT_MODELS},
+    **{f"{name}.fb_in1k": _cfg(**DEIT_WEIGHTS[name.split("_")[2]], **deit_eval_cfg(name.split("_")[2]))
+       for name in COLLAB_MODELS},
+    **{name: _cfg() for name in CONCAT_MODELS + [GENERIC_MODEL]},
 })
 
 
@@ -108,6 +122,10 @@ def _file_architecture(kwargs: dict[str, Any]) -> None:
     overlay.setdefault("num_classes", recorded.get("num_classes", 1000))
     size = recorded.get("img_size", 224)
     overlay.setdefault("input_size", (recorded.get("in_chans", 3), size, size))
+    pipeline = safetensors_metadata(overlay["file"]).get("data_config") or {}  # the source's evaluation
+    for key in EVAL_KEYS:
+        if key in pipeline:
+            overlay.setdefault(key, tuple(pipeline[key]) if isinstance(pipeline[key], list) else pipeline[key])
     kwargs["pretrained_cfg_overlay"] = overlay
 
 
@@ -126,6 +144,8 @@ def _create(
     """
     if pretrained:
         _file_architecture(kwargs)
+    elif kwargs.get("pretrained_cfg") is None:  # not timm's DeiT weights: DeiT's own evaluation (module docstring)
+        kwargs["pretrained_cfg_overlay"] = {"crop_pct": EVAL_CROP_PCT, **(kwargs.get("pretrained_cfg_overlay") or {})}
     key_dim: Union[None, int, Sequence[int]] = kwargs.pop("key_dim", fixed_key_dim)
     if fixed_key_dim is not None and key_dim != fixed_key_dim:
         raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {variant.rsplit('_k', 1)[0]} for "
@@ -284,3 +304,23 @@ def concat_deit_base_patch16_224_k384(pretrained: bool = False, **kwargs) -> Col
 def concat_deit_base_patch16_224_k192(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
     """DeiT-B/16, standard attention with key/query dim 192 (16 per head), the paper's baseline."""
     return _concat("concat_deit_base_patch16_224_k192", "base", pretrained, 192, kwargs)
+
+
+@register_model
+def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
+    """Any timm ``VisionTransformer`` design with collaborative (or cut) attention, as ``save_pretrained`` records it.
+
+    Keywords: timm's ``VisionTransformer`` arguments (defaults: ViT-B/16), with ``norm_layer`` / ``act_layer`` by
+    timm's names (``"layernorm"``, ``"gelu_tanh"``, ...), ``norm_eps``, ``mlp_layer`` (``"mlp"``, ``"swiglu"``,
+    ``"swiglu_packed"``), plus ``key_dim`` (an int, or one per block) and ``attention`` (``"collaborative"`` or
+    ``"concatenate"``).
+    """
+    attention = kwargs.pop("attention", "collaborative")
+    mlp_layer = kwargs.pop("mlp_layer", "mlp")
+    if attention not in ATTENTIONS or mlp_layer not in MLP_LAYERS:
+        raise ValueError(f"attention must be one of {tuple(ATTENTIONS)} and mlp_layer one of {tuple(MLP_LAYERS)}, "
+                         f"got {attention!r}, {mlp_layer!r}")
+    norm_eps = kwargs.pop("norm_eps", None)
+    if norm_eps is not None:
+        kwargs["norm_layer"] = partial(get_norm_layer(kwargs.get("norm_layer") or "layernorm"), eps=norm_eps)
+    return _create(GENERIC_MODEL, ATTENTIONS[attention], pretrained, mlp_layer=MLP_LAYERS[mlp_layer], **kwargs)

@@ -8,6 +8,9 @@
   truncated or unsafe file is a :class:`WeightsError` with a one-line message.
 * :func:`check_fit` compares a state dict with a model and names every missing, unexpected and mis-shaped key.
 * :func:`export_safetensors` writes final weights with the model name and kwargs (JSON) in the metadata.
+* A folder in timm's hub layout (``collab_vit.save_pretrained``: ``config.json`` + ``model.safetensors``) reads as
+  its weights with ``model_name`` = the config's ``architecture``, ``model_kwargs`` = its ``model_args`` and
+  ``data_config`` = the evaluation pipeline of its ``pretrained_cfg``.
 """
 from __future__ import annotations
 
@@ -134,27 +137,89 @@ def extract_state_dict(obj: Dict[str, Any], use_ema: bool = False) -> Dict[str, 
     return {k[7:] if k.startswith('module.') else k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
 
 
+JSON_METADATA = ('model_kwargs', 'data_config', 'metrics')
+HUB_CONFIG, HUB_WEIGHTS = 'config.json', 'model.safetensors'
+EVAL_KEYS = ('input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')  # a pretrained_cfg's pipeline
+
+
+def model_pipeline(model: Any, pretrained_cfg: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The evaluation pipeline ``model`` carries (its ``pretrained_cfg``, or the one given: timm's cfg of the weights
+    it was created with, kept through a conversion), at its own input size, as JSON-able lists: what a converted
+    file records."""
+    cfg = dict(pretrained_cfg or getattr(model, 'pretrained_cfg', None) or {})
+    patch_embed = getattr(model, 'patch_embed', None)
+    if patch_embed is not None and getattr(patch_embed, 'img_size', None):
+        cfg['input_size'] = (patch_embed.proj.in_channels, *patch_embed.img_size)
+    return {k: list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k] for k in EVAL_KEYS if cfg.get(k) is not None}
+
+
+def parse_metadata(raw: Dict[str, str], path: str) -> Dict[str, Any]:
+    """A safetensors file's metadata with its JSON entries decoded; a WeightsError where one is not JSON."""
+    meta = {}
+    for key, value in raw.items():
+        try:
+            meta[key] = json.loads(value) if key in JSON_METADATA else value
+        except json.JSONDecodeError:
+            raise WeightsError(f"metadata '{key}' of {os.path.abspath(path)} is not JSON: {value[:80]!r}") from None
+    if not isinstance(meta.get('model_kwargs', {}), dict):
+        raise WeightsError(f"metadata 'model_kwargs' of {os.path.abspath(path)} is not a mapping")
+    return meta
+
+
+def safetensors_metadata(path: Optional[str]) -> Dict[str, Any]:
+    """The decoded metadata of a ``.safetensors`` file without reading its tensors ({} for any other file)."""
+    if not path or not str(path).endswith('.safetensors') or not os.path.isfile(path):
+        return {}
+    try:
+        with safe_open(str(path), framework='pt') as f:
+            raw = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise WeightsError(f'cannot read {os.path.abspath(path)}: truncated or not a safetensors file '
+                           f'({_first_line(e)})') from None
+    return parse_metadata(raw, str(path))
+
+
+def read_hub_folder(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Weights and metadata of a folder in timm's hub layout (see the module docstring)."""
+    config_path = os.path.join(path, HUB_CONFIG)
+    if not os.path.isfile(config_path):
+        raise WeightsError(f'{os.path.abspath(path)} is a folder without {HUB_CONFIG} (not a timm hub folder)')
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+        architecture = config['architecture']
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise WeightsError(f'{os.path.abspath(config_path)} is not a timm model config ({_first_line(e)})') from None
+    weights = os.path.join(path, HUB_WEIGHTS)
+    if not os.path.isfile(weights) and os.path.isfile(os.path.join(path, 'pytorch_model.bin')):
+        state = extract_state_dict(torch_load(os.path.join(path, 'pytorch_model.bin')))  # timm's other layout
+    else:
+        state, _ = load_safetensors(weights)
+    pretrained_cfg = config.get('pretrained_cfg') or {}
+    meta = {'model_name': architecture, 'model_kwargs': dict(config.get('model_args') or {}),
+            'data_config': {k: pretrained_cfg[k] for k in EVAL_KEYS if pretrained_cfg.get(k) is not None}}
+    if 'num_classes' in config:
+        meta['num_classes'] = config['num_classes']
+    return state, meta
+
+
 def read_weights(path: str, use_ema: bool = False) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Weights and metadata (``model_name``, ``model_kwargs``, ``data_config``, ... when recorded) from a file.
 
     ``.safetensors`` files carry the model name and kwargs in their metadata; ``.pth`` files are loaded with
-    ``weights_only=True``.
+    ``weights_only=True``; a folder is read by :func:`read_hub_folder`.
     """
+    if os.path.isdir(path):
+        if use_ema:
+            raise WeightsError(f'{path} holds one set of weights; --use-ema applies to training checkpoints (.pth)')
+        return read_hub_folder(path)
     if not os.path.isfile(path):
         raise WeightsError(f'checkpoint not found: {os.path.abspath(path)}')
     if path.endswith('.safetensors'):
         if use_ema:
             raise WeightsError(f'{path} holds one set of weights; --use-ema applies to training checkpoints (.pth)')
         state, raw = load_safetensors(path)
-        meta = {}
-        for key, value in raw.items():
-            try:
-                meta[key] = json.loads(value) if key in ('model_kwargs', 'data_config', 'metrics') else value
-            except json.JSONDecodeError:
-                raise WeightsError(f"metadata '{key}' of {os.path.abspath(path)} is not JSON: {value[:80]!r}") from None
-        if not isinstance(meta.get('model_kwargs', {}), dict):
-            raise WeightsError(f"metadata 'model_kwargs' of {os.path.abspath(path)} is not a mapping")
-        return state, meta
+        return state, parse_metadata(raw, path)
     obj = torch_load(path)
     if not isinstance(obj, dict):
         raise WeightsError(f'{os.path.abspath(path)} holds a {type(obj).__name__}, not a state dict or checkpoint')

@@ -34,6 +34,7 @@ VARIANTS = [  # (config, attention, key dim, mixing init)
     ('concat_k8', 'concatenate (reduced)', D // 8, ''),
     # issue 21: one dim per head, where cutting may cost accuracy; the mixing lr multiplier (configs say the rule)
     ('concat_k4', 'concatenate (reduced)', D // 16, ''),
+    ('collab_k4', 'collaborative', D // 16, 'concatenate'),
     ('collab_k4_random', 'collaborative', D // 16, 'random'),
     ('collab_k4_random_mixlr', 'collaborative', D // 16, 'random, mixing lr x100'),
 ]

@@ -2,14 +2,14 @@
 
 ``KILL_AT`` says where the process SIGKILLs itself:
 
-* ``update:N`` -- at the N-th optimizer update (the trainer asks its stop request once per update): mid-epoch;
+* ``update:N`` -- at the N-th optimizer update (the loop asks ``StopRequest.requested`` once per update): mid-epoch;
 * ``write:NAME:N`` -- inside the N-th atomic write of the file NAME, with the temp file complete, before its
   ``os.replace``: a checkpoint write cut short;
 * ``after:NAME:N`` -- right after the N-th ``os.replace`` of NAME: between the writes of an epoch's end.
 
 ``KILL_RANK`` limits the kill to one rank and ``KILL_ATTEMPT`` to one torchrun attempt (``TORCHELASTIC_RESTART_COUNT``).
 Nothing here changes the package: it wraps ``os.replace`` (as ``collab_vit.weights_io.atomic_write`` calls it) and
-``StopRequest.should_stop`` in this process only.
+``StopRequest.requested`` in this process only.
 """
 import os
 import signal
@@ -34,15 +34,15 @@ def install(spec: str) -> None:
     kind, *rest = spec.split(':')
     if kind == 'update':
         target, calls = int(rest[0]), [0]
-        original = preemption.StopRequest.should_stop
+        original = preemption.StopRequest.requested
 
-        def should_stop(self, device):
+        def requested(self):
             calls[0] += 1
             if calls[0] == target:
                 _kill()
-            return original(self, device)
+            return original(self)
 
-        preemption.StopRequest.should_stop = should_stop
+        preemption.StopRequest.requested = requested
     elif kind in ('write', 'after'):
         name, target, calls = rest[0], int(rest[1]), [0]
         real_replace = os.replace

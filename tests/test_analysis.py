@@ -11,6 +11,7 @@ from torch import nn
 
 import collab_vit  # noqa: F401  (registers collab_deit_* with timm)
 from collab_vit.conversion import spectrum as analysis
+from numerics import assert_within
 
 D, NH = 48, 3
 DH = D // NH
@@ -80,7 +81,9 @@ def test_spectrum_matches_dense_svd(planted):
         spectra = analysis.layer_spectra(model)
         for s, (_, attn) in zip(spectra, timm_attention_layers(model), strict=True):
             ref = dense_cumulative_energy(attn.qkv.weight, attn.num_heads)[: s.total_dims]
-            torch.testing.assert_close(s.cumulative_energy, ref, rtol=0, atol=1e-10)
+            # cumulative energies (max 1) from two float64 SVDs, each backward stable: singular values within
+            # ~D u of the largest, squaring doubles that, the running sum over at most D dims adds D u
+            assert_within(s.cumulative_energy, ref, 4 * D, torch.float64)
 
 
 def test_query_side_not_key_side(planted):

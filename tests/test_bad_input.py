@@ -309,10 +309,12 @@ def test_standard_deit_checkpoint_converted_like_pretrained(tmp_path, monkeypatc
 
     results = tmp_path / 'eval.json'
     kwargs = [f'{k}={v}' for k, v in TINY_KWARGS.items()]
+    # the .pth alone is evaluated as timm evaluates DeiT weights (crop 0.9); the export records train.py's 0.875
     assert eval_main(['--model', TINY_MODEL, '--model-kwargs', *kwargs, '--img-size', '32', '--checkpoint', str(deit),
-                      '--data-dir', data, '--workers', '0', '--output', str(results)]) == 0
+                      '--crop-pct', '0.875', '--data-dir', data, '--workers', '0', '--output', str(results)]) == 0
     reference = tmp_path / 'reference.json'
     assert eval_main(['--checkpoint', str(tmp_path / 'ft' / 'model.safetensors'), '--data-dir', data, '--workers',
                       '0', '--output', str(reference)]) == 0
     a, b = json.loads(results.read_text()), json.loads(reference.read_text())
+    assert a['data_config'] == b['data_config']
     assert a['top1'] == b['top1'] and a['loss'] == pytest.approx(b['loss'], rel=1e-6)

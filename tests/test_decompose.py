@@ -8,6 +8,7 @@ import torch
 from tensorly.decomposition import parafac
 
 from collab_vit.conversion import decompose as dec
+from numerics import assert_within
 
 NH, D, DH = 4, 32, 8
 N = NH * DH
@@ -77,7 +78,8 @@ def test_exact_at_full_rank(method, rank):
     res = method(wq, wk, rank)
     assert res.query.shape == (D, rank) and res.key.shape == (D, rank) and res.mixing.shape == (NH, rank)
     assert res.relative_error < 1e-10 and res.iterations == 0
-    torch.testing.assert_close(reconstruct(res), dec.dense_tensor(wq, wk), rtol=0, atol=1e-12)
+    # float64, one sum of ``rank`` products per entry (and the dense tensor's own sum of N)
+    assert_within(reconstruct(res), dec.dense_tensor(wq, wk), rank + N, torch.float64)
     assert dense_rel_err(wq, wk, res.query, res.key, res.mixing) < 1e-13
 
 
@@ -86,7 +88,7 @@ def test_exact_decomposition_is_concatenation():
     res = dec.exact_decomposition(wq, wk, N + 3)
     torch.testing.assert_close(res.query[:, :N], torch.cat(list(wq), 1), rtol=0, atol=0)
     assert not res.query[:, N:].any() and not res.key[:, N:].any() and not res.mixing[:, N:].any()
-    torch.testing.assert_close(res.mixing[:, :N], torch.eye(NH, dtype=wq.dtype).repeat_interleave(DH, 1))
+    assert torch.equal(res.mixing[:, :N], torch.eye(NH, dtype=wq.dtype).repeat_interleave(DH, 1))
     with pytest.raises(ValueError, match="rank"):
         dec.exact_decomposition(wq, wk, N - 1)
 
@@ -134,7 +136,7 @@ def test_reconstruction_agrees_with_tensorly():
     tl.set_backend("pytorch")
     ones = torch.ones(10, dtype=torch.float64)
     ref = tl.cp_to_tensor((ones, [res.mixing, res.query, res.key]))
-    torch.testing.assert_close(reconstruct(res), ref)
+    assert_within(reconstruct(res), ref, 2 * 10, torch.float64)  # two orders of the same 10-term sums
     t = dec.dense_tensor(wq, wk)
     assert float((t - ref).norm() / t.norm()) == pytest.approx(res.relative_error, rel=1e-9)
 
@@ -183,6 +185,8 @@ def test_float32_compute_is_close_to_float64():
     wq, wk = structured()
     e64 = dec.cp_decompose(wq, wk, 12).relative_error
     e32 = dec.cp_decompose(wq, wk, 12, dtype=torch.float32).relative_error
+    # relative errors (dimensionless, ~0.3 here) of two ALS runs that each stop at the same tolerance: the float32
+    # run's rounding (u = 6e-8 per step, amplified by the conditioning of the ALS solves) moves where it stops
     assert abs(e32 - e64) < 1e-3
 
 
@@ -254,10 +258,11 @@ def test_parafac_is_tensorly_parafac_on_the_dense_tensor():
     tl.set_backend("pytorch")
     weights, (m, q, k) = parafac(dec.dense_tensor(wq, wk), rank, init="random", tol=1e-8, n_iter_max=50,
                                  random_state=3)
-    torch.testing.assert_close(reconstruct(res), tl.cp_to_tensor((weights, [m, q, k])), rtol=1e-10, atol=1e-12)
+    # the same rank-10 sums, ours after rescaling each component (a few multiplications per term)
+    assert_within(reconstruct(res), tl.cp_to_tensor((weights, [m, q, k])), 4 * rank, torch.float64)
     # the same tensor, with balanced factors: every component's query and key columns have equal norms, its
     # largest mixing entry is +1 (tensorly's own scaling is arbitrary and fine-tunes badly)
-    torch.testing.assert_close(res.query.norm(dim=0), res.key.norm(dim=0))
+    assert_within(res.query.norm(dim=0), res.key.norm(dim=0), 2 * D, torch.float64)  # norms: sums of D squares
     assert torch.all(res.mixing.max(0).values == 1)
     t = dec.dense_tensor(wq, wk)
     assert res.relative_error == pytest.approx(float((t - reconstruct(res)).norm() / t.norm()), rel=1e-9)

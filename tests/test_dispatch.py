@@ -2,6 +2,7 @@
 layer runs what it says on every device this machine has. fx-traced models script and run (timm's fx test)."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path as FilePath
 
@@ -13,16 +14,19 @@ from timm.layers import create_feature_extractor, get_graph_node_names, set_scri
 from collab_vit import CollaborativeAttention
 from collab_vit.layers import attention
 from collab_vit.layers.dispatch import Path, select_path
+from numerics import assert_within, vit_chain
 
 README = FilePath(__file__).parents[1] / "README.md"
 HEADER = "| device | mode | attention dropout | run as | path |"
 IMPLEMENTATIONS = {Path.CORE: "core_attend", Path.SDPA_PINNED: "pinned_attend", Path.SDPA: "folded_sdpa",
                    Path.EXPLICIT: "explicit_collaborative"}
 DEVICES = {"CPU": ["cpu"], "CUDA": ["cuda"], "other": ["mps", "xpu"], "any": ["cpu", "cuda", "mps"]}
-RUNS = {  # (fused, scripting, compiling) of each "run as" cell
-    "eager": [(True, False, False)],
-    "`torch.compile`, `torch.jit.script`": [(True, False, True), (True, True, False)],
-    "`fused_attn = False`": [(False, False, False), (False, True, False), (False, False, True)],
+RUNS = {  # (fused, scripting, compiling, tracing) of each "run as" cell
+    "eager": [(True, False, False, False)],
+    "`torch.compile`, `torch.export`, `torch.jit.script`, `torch.jit.trace`, ONNX export": [
+        (True, False, True, False), (True, True, False, False), (True, False, False, True)],
+    "`fused_attn = False`": [(False, False, False, False), (False, True, False, False), (False, False, True, False),
+                             (False, False, False, True)],
 }
 
 
@@ -37,8 +41,8 @@ def readme_rows() -> list[list[str]]:
     return rows
 
 
-def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool, bool, bool]]:
-    """Every (device type, fused, dropout, scripting, compiling, training) a table row covers."""
+def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool, bool, bool, bool]]:
+    """Every (device type, fused, dropout, scripting, compiling, tracing, training) a table row covers."""
     device, mode, dropout, run, _ = row
     dropouts = {"0": [0.], "> 0": [0.1], "any": [0., 0.1]}[dropout]
     calls = []
@@ -47,8 +51,8 @@ def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool, bool, bool]]
             for p in dropouts:
                 if not training and p > 0:
                     continue  # dropout is off in eval: "inference" rows mean p = 0
-                for fused, scripting, compiling in RUNS[run]:
-                    calls.append((device_type, fused, p, scripting, compiling, training))
+                for fused, scripting, compiling, tracing in RUNS[run]:
+                    calls.append((device_type, fused, p, scripting, compiling, tracing, training))
     return calls
 
 
@@ -61,8 +65,8 @@ def test_readme_table_is_select_path() -> None:
     assert len(rows) >= 6
     covered = set()
     for row in rows:
-        for device_type, fused, p, scripting, compiling, _ in row_calls(row):
-            assert select_path(device_type, fused, p, scripting, compiling) == row_path(row), row
+        for device_type, fused, p, scripting, compiling, tracing, _ in row_calls(row):
+            assert select_path(device_type, fused, p, scripting, compiling, tracing) == row_path(row), row
         covered.add(row_path(row))
     assert covered == set(Path)
 
@@ -71,10 +75,10 @@ def available_devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.mark.parametrize("device", available_devices())
-def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
-    """Each eager row for this device: the layer, in that mode, calls that implementation and no other."""
+def spy_implementations(monkeypatch) -> list[Path]:
+    """Record which implementation each call of the layer runs (the list returned fills as the layer runs)."""
     calls: list[Path] = []
+
     def spy(path: Path, implementation):
         def call(*args):
             calls.append(path)
@@ -83,10 +87,17 @@ def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
 
     for path, name in IMPLEMENTATIONS.items():
         monkeypatch.setattr(attention, name, spy(path, getattr(attention, name)))
+    return calls
+
+
+@pytest.mark.parametrize("device", available_devices())
+def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
+    """Each eager row for this device: the layer, in that mode, calls that implementation and no other."""
+    calls = spy_implementations(monkeypatch)
     checked = 0
     for row in readme_rows():
-        for device_type, fused, p, scripting, compiling, training in row_calls(row):
-            if device_type != device or scripting or compiling:
+        for device_type, fused, p, scripting, compiling, tracing, training in row_calls(row):
+            if device_type != device or scripting or compiling or tracing:
                 continue
             layer = CollaborativeAttention(48, 3, key_dim=20, qkv_bias=True, attn_drop=p).to(device).train(training)
             layer.fused_attn = fused
@@ -109,4 +120,18 @@ def test_fx_traced_model_scripts_and_matches_eager() -> None:
     x = torch.randn(2, 3, 32, 32)
     with torch.inference_mode():
         (out,) = scripted(x).values()
-        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+        expected = copy.deepcopy(model).double()(x.double())
+        assert_within(out, expected, vit_chain(model.embed_dim, 2, 17, 3 * 8 * 8, 48))
+
+
+@pytest.mark.parametrize("device", available_devices())
+def test_traced_layer_runs_sdpa(device: str, monkeypatch) -> None:
+    """``torch.jit.trace`` (what the TorchScript ONNX exporter runs) takes the table's graph-capture row: ``sdpa``,
+    never the autograd Function ``core`` (a Python call in the trace; the ONNX exporter dropped its output)."""
+    calls = spy_implementations(monkeypatch)
+    layer = CollaborativeAttention(48, 3, key_dim=20, qkv_bias=True).to(device).eval()
+    x = torch.randn(2, 9, 48, device=device)
+    with torch.no_grad():
+        traced = torch.jit.trace(layer, x, check_trace=False)  # the check would rerun it eagerly
+    assert calls == [Path.SDPA]
+    assert not [n for n in traced.inlined_graph.nodes() if n.kind() == "prim::PythonOp"]

@@ -16,8 +16,10 @@ from collab_vit.layers.attention_core import CollaborativeCore, batch_chunks
 from collab_vit.layers.dispatch import Path
 from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys
 from measure import saved_activation_bytes
+from numerics import assert_all_within, assert_within, attention_chain
 
 DIM, HEADS, TOKENS = 48, 3, 9  # head dim 16
+BATCH = 2
 
 
 def outputs_and_grads(layer: torch.nn.Module, x: torch.Tensor, fused: bool, **kwargs) -> list[torch.Tensor]:
@@ -31,6 +33,25 @@ def outputs_and_grads(layer: torch.nn.Module, x: torch.Tensor, fused: bool, **kw
     (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
     mask_grad = [mask.grad] if mask is not None and mask.is_floating_point() else []
     return [out.detach(), x.grad] + mask_grad + [p.grad for p in layer.parameters()]
+
+
+def float64_kwargs(kwargs: dict) -> dict:
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+
+
+def reference(layer: torch.nn.Module, x: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+    """``outputs_and_grads`` of the explicit path in float64, on the same weights and inputs: the reference."""
+    return outputs_and_grads(copy.deepcopy(layer).double(), x.double(), False, **float64_kwargs(kwargs))
+
+
+def assert_paths_match_reference(layer: torch.nn.Module, key_dim: int, x: torch.Tensor, *paths: list[torch.Tensor],
+                                 **kwargs) -> None:
+    """Every path's output and gradients within the layer's float32 bound (``numerics.attention_chain``, forward
+    and backward) of the float64 reference."""
+    expected = reference(layer, x, **kwargs)
+    bound = attention_chain(DIM, max(key_dim, DIM // HEADS), TOKENS, batch=x.shape[0])
+    for got in paths:
+        assert_all_within(got, expected, bound)
 
 
 def random_layer(cls: type, key_dim: int) -> torch.nn.Module:
@@ -49,8 +70,7 @@ def test_collaborative_fast_path_matches_explicit(key_dim: int, causal: bool) ->
     x = torch.randn(2, TOKENS, DIM)
     fast = outputs_and_grads(layer, x, fused=True, is_causal=causal)
     explicit = outputs_and_grads(layer, x, fused=False, is_causal=causal)
-    for a, b in zip(fast, explicit):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_paths_match_reference(layer, key_dim, x, fast, explicit, is_causal=causal)
 
 
 def layer_mask(kind: str, batch: int = 2) -> dict:
@@ -79,9 +99,7 @@ def test_collaborative_masks_match_explicit(key_dim: int, qkv_bias: bool, mask: 
     x = torch.randn(2, TOKENS, DIM)
     kwargs = layer_mask(mask)
     fast, explicit = outputs_and_grads(layer, x, True, **kwargs), outputs_and_grads(layer, x, False, **kwargs)
-    assert len(fast) == len(explicit)
-    for a, b in zip(fast, explicit):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_paths_match_reference(layer, key_dim, x, fast, explicit, **kwargs)
 
 
 @pytest.mark.parametrize("key_dim", [6, 16, 48])  # flash forward (padded q/k, equal dims) and explicit forward
@@ -100,23 +118,26 @@ def test_core_gradients_match_autograd(key_dim: int, mask_shape: tuple, chunk_by
     inputs = [t.requires_grad_(True) for t in (q, mixing, k, v, mask) if t is not None]
     grad_out = torch.randn(3, HEADS, TOKENS, 16)
 
-    def reference() -> torch.Tensor:
+    def eq5(q, mixing, k, v, mask=None) -> torch.Tensor:
         logits = (q.unsqueeze(1) * mixing.unsqueeze(1)) @ k.unsqueeze(1).transpose(-2, -1) * 0.25
         return (logits if mask is None else logits + mask).softmax(-1) @ v
 
-    results = []
-    for out in (CollaborativeCore.apply(q, mixing, k, v, mask, 0.25), reference()):
-        results.append([out.detach(), *torch.autograd.grad(out, inputs, grad_out)])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    out = CollaborativeCore.apply(q, mixing, k, v, mask, 0.25)
+    got = [out.detach(), *torch.autograd.grad(out, inputs, grad_out)]
+    inputs64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    out64 = eq5(*inputs64)
+    expected = [out64.detach(), *torch.autograd.grad(out64, inputs64, grad_out.double())]
+    # logits (key_dim), row sum and weights x values (tokens), then back: dS v^T (16), dS k (tokens), and the sums
+    # of the mixing and mask gradients over the batch's rows (3 samples x tokens x heads at most)
+    assert_all_within(got, expected, 2 * (key_dim + 2 * TOKENS) + 16 + 3 * TOKENS * HEADS)
 
 
 @pytest.mark.parametrize("key_dim", [12, 48, 96])  # per-head q/k dims 4, 16, 32 vs value head dim 16
 def test_concat_fast_path_matches_explicit(key_dim: int) -> None:
     layer = random_layer(ConcatAttention, key_dim)
     x = torch.randn(2, TOKENS, DIM)
-    for a, b in zip(outputs_and_grads(layer, x, fused=True), outputs_and_grads(layer, x, fused=False)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_paths_match_reference(layer, key_dim, x, outputs_and_grads(layer, x, fused=True),
+                                 outputs_and_grads(layer, x, fused=False))
 
 
 @pytest.mark.parametrize("cls, key_dim", [(ConcatAttention, 9), (ConcatAttention, 12), (ConcatAttention, 144),
@@ -128,7 +149,8 @@ def test_inference_matches_explicit(cls: type, key_dim: int) -> None:
     with torch.no_grad():
         fast, explicit = layer(x), copy.deepcopy(layer).requires_grad_(False)
         explicit.fused_attn = False
-        torch.testing.assert_close(fast, explicit(x), rtol=1e-4, atol=1e-5)
+        expected = explicit.double()(x.double())
+        assert_within(fast, expected, attention_chain(DIM, max(key_dim, DIM // HEADS), TOKENS))
 
 
 def test_mixed_queries_are_not_stored_for_backward() -> None:
@@ -187,8 +209,8 @@ def test_double_backward_matches_explicit(key_dim: int, mask: str) -> None:
         (first,) = torch.autograd.grad(y, inputs[0], create_graph=True)
         second = torch.autograd.grad(first.pow(2).sum(), inputs + list(layer_copy.parameters()))
         results.append([first, *second])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    # float64 both; second order runs the layer's chain three times (forward, backward, backward of backward)
+    assert_all_within(results[0], results[1], 3 * attention_chain(DIM, key_dim, TOKENS, batch=2), torch.float64)
 
 
 @pytest.mark.parametrize("key_dim", [6, 13, 30, 48])
@@ -207,7 +229,7 @@ def test_folded_layout_is_eq5(key_dim: int, with_content: bool) -> None:
     expected = (q.unsqueeze(1) * mixing.unsqueeze(1)) @ k.unsqueeze(1).transpose(-2, -1)
     if with_content:
         expected = expected + content.transpose(1, 2).unsqueeze(2)
-    torch.testing.assert_close(folded, expected, rtol=1e-12, atol=1e-12)
+    assert_within(folded, expected, width, torch.float64)  # one product of length width (the padded dims add 0)
 
 
 def force_path(monkeypatch, path: Path) -> None:
@@ -222,8 +244,8 @@ def test_folded_sdpa_matches_explicit(key_dim: int, mask: str, monkeypatch) -> N
     x = torch.randn(2, TOKENS, DIM)
     explicit = outputs_and_grads(layer, x, fused=False, **layer_mask(mask))
     force_path(monkeypatch, Path.SDPA)
-    for a, b in zip(outputs_and_grads(layer, x, fused=True, **layer_mask(mask)), explicit):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    folded = outputs_and_grads(layer, x, fused=True, **layer_mask(mask))
+    assert_paths_match_reference(layer, key_dim, x, folded, explicit, **layer_mask(mask))
 
 
 def collab_warnings(caught: list) -> list[str]:
@@ -243,9 +265,7 @@ def test_pinned_kernel_refusal_warns_once_then_runs_explicit(monkeypatch) -> Non
         first, second = outputs_and_grads(layer, x, fused=True), outputs_and_grads(layer, x, fused=True)
     messages = collab_warnings(caught)
     assert len(messages) == 1 and "CPU flash needs equal query and value head dims, got 40 and 16" in messages[0]
-    for a, b, c in zip(first, second, explicit):
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+    assert_paths_match_reference(layer, 30, x, first, second, explicit)
 
 
 @pytest.mark.parametrize("amp", [False, True])
@@ -278,9 +298,7 @@ def test_pinned_kernel_recomputes_the_per_head_queries(amp: bool, monkeypatch) -
     assert len(built) == 2, "backward did not recompute the per-head queries"
     assert not collab_warnings(caught)
     if not amp:
-        fast = outputs_and_grads(layer, x, fused=True)
-        for a, b in zip(fast, explicit):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert_paths_match_reference(layer, 13, x, outputs_and_grads(layer, x, fused=True), explicit)
 
 
 def test_pinned_kernel_reports_a_stored_copy(monkeypatch) -> None:
@@ -314,5 +332,4 @@ def test_pinned_kernel_with_masks_matches_explicit(mask: str, monkeypatch) -> No
     messages = collab_warnings(caught)
     assert messages == ([] if mask != "float" else [messages[0]])
     assert mask != "float" or "CPU flash has no gradient for the attention mask" in messages[0]
-    for a, b in zip(fast, explicit):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert_paths_match_reference(layer, 13, x, fast, explicit, **layer_mask(mask))

@@ -15,7 +15,7 @@ import timm
 import torch.nn as nn
 
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
-from ..weights_io import atomic_write, export_safetensors, read_weights
+from ..weights_io import atomic_write, export_safetensors, model_pipeline, read_weights
 from .calibration import DEFAULT_RIDGE, calibration_images
 from .reparam import LayerReport, probe_input_size, reparametrize_layers
 
@@ -131,9 +131,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
             "layers": [r.as_dict() for r in reports]}
     if getattr(reports, "summary", None):
         info["calibration"] = reports.summary
-    extra: dict[str, Any] = {"conversion": info}
-    if meta.get("data_config"):
-        extra["data_config"] = meta["data_config"]
+    extra: dict[str, Any] = {"conversion": info, "data_config": meta.get("data_config") or model_pipeline(model)}
     out.parent.mkdir(parents=True, exist_ok=True)
     export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra=extra)
     sidecar = out.with_suffix(".json")

@@ -21,6 +21,7 @@ from ..layers.attention import CollaborativeAttention, check_key_dim
 from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, whitened_decomposition,
                           whitened_rank, whitening)
 from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
+from ..layers.weight_decay import exclude_mixing_from_decay
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
 from .refine import check_steps, refine_logits
@@ -382,6 +383,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
         _swap(model, name, fitted.layer)
         from_ = "weight spectrum" if isinstance(key_dim, float) else "given"
         reports.append(LayerReport(name, rank, fitted.tensor_error, output_error, seconds, key_dim_from=from_))
+    exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
     return ConversionReport(reports)
 
 

@@ -190,7 +190,7 @@ def collaborative_attend(
 
     Shared queries/keys (B, N, D~k), mixing (Nh, D~k), values (B, Nh, N, dh), content scores ``c(x)`` (B, N, Nh)
     or None. Inputs are first cast to the compute dtype (autocast's, else q's); so is a float mask. A leaf for
-    ``torch.fx`` (the choice is made when the graph runs) and scriptable (TorchScript takes ``sdpa``).
+    ``torch.fx`` (the choice is made when the graph runs) and scriptable (graph capture takes ``sdpa``).
     """
     dtype = compute_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -198,7 +198,8 @@ def collaborative_attend(
         content = content.to(dtype)
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.to(dtype)
-    path = select_path(q.device.type, fused, dropout_p, torch.jit.is_scripting(), torch.compiler.is_compiling())
+    path = select_path(q.device.type, fused, dropout_p, torch.jit.is_scripting(), torch.compiler.is_compiling(),
+                       torch.jit.is_tracing())
     if path == Path.CORE:
         return core_attend(q, mixing, k, v, content, scale, attn_mask, is_causal)
     if path == Path.SDPA_PINNED:

@@ -5,7 +5,8 @@ A training checkpoint is a dict of tensors and plain Python types only, so it lo
 ``epoch`` (last finished), ``batches_done`` (batches already trained of the next epoch when a stop request
 interrupted it, else 0), ``step`` (optimizer updates so far), ``best_top1``, ``best_epoch``, ``rng`` (one entry per
 rank: the state at the start of the next epoch, or of the interrupted one), ``rng_at_stop`` (only when interrupted:
-the states at the stop), ``config`` (resolved config dict), ``model_name``, ``model_kwargs``, ``data_config`` and
+the states at the stop), ``config`` (resolved config dict), ``model_name``, ``model_kwargs``, ``geometry``
+(``batch_size``, ``world_size``, ``accum_steps``: what a resume checks, see :mod:`.resume`), ``data_config`` and
 ``metrics``.
 
 Crash safety: every file is written atomically, and ``last.pth`` is the commit point of an epoch: it is written

@@ -29,7 +29,7 @@ class TrainConfig:
     img_size: int = 224
     in_chans: int = 3  # image channels (1 for grayscale data such as Fashion-MNIST)
     drop_path: float = 0.1
-    checkpoint: str = ''  # initial weights (our checkpoint, .safetensors or a timm/DeiT .pth), for fine-tuning
+    checkpoint: str = ''  # initial weights (our checkpoint, .safetensors, a timm/DeiT .pth or a save_pretrained folder)
     # data (dataset '' = ImageFolder; timm names such as 'wds/...', 'hfds/...', 'tfds/...' or 'sklearn/digits')
     data_dir: str = ''
     dataset: str = ''

@@ -219,11 +219,16 @@ def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist
         drop_last=inner.drop_last, timeout=inner.timeout, worker_init_fn=inner.worker_init_fn,
         multiprocessing_context=inner.multiprocessing_context, generator=inner.generator,
         prefetch_factor=inner.prefetch_factor, persistent_workers=inner.persistent_workers,
-        pin_memory_device=inner.pin_memory_device, in_order=inner.in_order)
+        pin_memory_device=inner.pin_memory_device, **_in_order(inner))
     if inner is loader:
         return rebuilt
     loader.loader = rebuilt
     return loader
+
+
+def _in_order(loader: torch.utils.data.DataLoader) -> Dict[str, Any]:
+    """DataLoader's ``in_order`` (torch >= 2.6) when this torch has it: the floor in pyproject.toml is older."""
+    return {'in_order': loader.in_order} if hasattr(loader, 'in_order') else {}
 
 
 def build_eval_loader(dataset, data_cfg: Dict[str, Any], batch_size: int, num_workers: int, dist_info: DistInfo,
@@ -241,4 +246,26 @@ def build_eval_loader(dataset, data_cfg: Dict[str, Any], batch_size: int, num_wo
 def shard_size(num_samples: int, dist_info: DistInfo) -> int:
     """Real (unpadded) samples on this rank under timm's ``OrderedDistributedSampler``."""
     return len(range(dist_info.rank, num_samples, dist_info.world_size))
+
+
+def eval_shard_size(dataset, dist_info: DistInfo, num_workers: int) -> Optional[int]:
+    """The real samples of this rank's eval shard, which the eval loop keeps (dropping the sampler's padding).
+
+    A map-style set is cut by timm's ``OrderedDistributedSampler`` (which pads to equal shards). An iterable set
+    (``wds/``, ``hfds/``, ``tfds/``) is split by its reader over ranks x workers, which yields each sample once
+    already: None (no cap; its ``len`` is per rank). Where its shards do not split evenly over ranks x workers,
+    some ranks repeat samples and others miss some (timm's readers fill every worker to the same length): warned,
+    with the counts.
+    """
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        return shard_size(len(dataset), dist_info)
+    reader = getattr(dataset, 'reader', None)
+    shards = len(getattr(getattr(reader, 'split_info', None), 'filenames', ()) or ())
+    readers = dist_info.world_size * max(num_workers, 1)
+    if shards and readers > 1 and shards % readers and dist_info.is_main:
+        print(f'warning: the eval set has {shards} shards for {dist_info.world_size} process(es) x '
+              f'{max(num_workers, 1)} worker(s) = {readers} readers: {shards % readers} reader(s) get one shard more, '
+              f'so evaluation may repeat or miss samples (use a number of shards divisible by {readers})',
+              file=sys.stderr, flush=True)
+    return None
 

@@ -78,6 +78,15 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def all_gather_rows(values: torch.Tensor) -> list:
+    """Every rank's 1-D ``values`` as Python lists, in rank order (one row on a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, values.contiguous())
+        return [r.tolist() for r in rows]
+    return [values.tolist()]
+
+
 def barrier() -> None:
     """Wait for every rank (no-op on a single process)."""
     if dist.is_available() and dist.is_initialized():

@@ -1,7 +1,13 @@
 """Evaluate a model on a validation set: top-1, top-5, loss and throughput, printed and written as JSON.
 
 Weights come from our training checkpoints (model or EMA), ``.safetensors`` exports (model name and kwargs read
-from the metadata) or plain timm/DeiT ``.pth`` files. Runs on one process or under ``torchrun`` (metrics reduced).
+from the metadata), folders in timm's hub layout (``collab_vit.save_pretrained``) or plain timm/DeiT ``.pth`` files.
+Runs on one process or under ``torchrun`` (metrics reduced).
+
+The evaluation pipeline (input size, crop_pct, crop_mode, interpolation, mean/std): the flags, else what the
+checkpoint records (a training export, a converted file or folder: its source's), else the model's ``pretrained_cfg``
+(timm's cfg of the weights for a timm model). A source and its conversion are thus evaluated alike; the results JSON
+records the pipeline used (``data_config``).
 """
 from __future__ import annotations
 
@@ -13,13 +19,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..weights_io import WeightsError, read_weights
+from ..layers.attention import CollaborativeAttention
+from ..weights_io import WeightsError, model_pipeline, read_weights
 from .flags import parse_key_value_pairs
-from .data import build_dataset, build_eval_loader, eval_data_config, shard_size
+from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .errors import ConfigError, DataError
 from .loops import autocast_context, evaluate
-from .model_factory import build_model, fit_state
+from .model_factory import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,12 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     """eval.py's flags; timm's validate.py spellings (-b, -j, --data, --results-file) are accepted too."""
     p = _Parser(prog='eval.py', description=__doc__.splitlines()[0], allow_abbrev=False,
                 epilog='Examples:\n  python eval.py --checkpoint runs/b192/model.safetensors --data-dir /data/imagenet\n'
-                       '  python eval.py --model deit_base_patch16_224 --checkpoint deit_base.pth --data-dir /data/imagenet',
+                       '  python eval.py --model deit_base_patch16_224 --checkpoint deit_base.pth --data-dir /data/imagenet\n'
+                       '  python eval.py --checkpoint converted_b384/ --data-dir /data/imagenet   (save_pretrained folder)',
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group('model')
     model.add_argument('--model', default='', help='timm model name (default: read from the checkpoint)')
     model.add_argument('--checkpoint', '--initial-checkpoint', default='',
-                       help='.pth (ours or timm/DeiT) or .safetensors; none = random init')
+                       help='.pth (ours or timm/DeiT), .safetensors, or a folder written by collab_vit.save_pretrained '
+                            '(config.json + model.safetensors); none = random init')
     model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of a training checkpoint')
     model.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE', help='e.g. key_dim=384')
     model.add_argument('--num-classes', type=int, default=None, help='default: checkpoint metadata or head size')
@@ -50,9 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument('--img-size', type=int, default=None, help='default: checkpoint metadata or model default')
     data.add_argument('--in-chans', type=int, default=None, help='default: checkpoint metadata, else 3')
     data.add_argument('--crop-pct', type=float, default=None,
-                      help="default: as in training, else the model's default cfg (0.875 for DeiT, as in training)")
-    data.add_argument('--mean', type=float, nargs='+', default=None, help='default: as in training, else the model\'s')
-    data.add_argument('--std', type=float, nargs='+', default=None, help='default: as in training, else the model\'s')
+                      help="default: as the checkpoint records (training, or a conversion's source), else the "
+                           "model's pretrained cfg (timm's DeiT weights: 0.9; our models from scratch: 0.875)")
+    data.add_argument('--mean', type=float, nargs='+', default=None, help='default: as recorded, else the model\'s')
+    data.add_argument('--std', type=float, nargs='+', default=None, help='default: as recorded, else the model\'s')
+    data.add_argument('--data-config-from', default='', metavar='CHECKPOINT',
+                      help="evaluate with the pipeline another checkpoint records (file or folder), e.g. a "
+                           "fine-tuned model scored with its conversion's (= its source's) pipeline")
     data.add_argument('-b', '--batch-size', type=int, default=128)
     data.add_argument('-j', '--workers', type=int, default=4, help='data-loader worker processes')
     run = p.add_argument_group('run')
@@ -65,6 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def eval_pipeline(args: argparse.Namespace, recorded: Optional[Dict[str, Any]],
+                  model: torch.nn.Module) -> Dict[str, Any]:
+    """The data config to evaluate with (module docstring): flags > the checkpoint's record > the model's cfg."""
+    flags = args.img_size or args.crop_pct or args.mean or args.std or args.in_chans
+    if recorded and not flags:  # JSON gives lists; as tuples the transforms are those of the model's own cfg
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
+    base = dict(recorded or model_pipeline(model))
+    in_chans = args.in_chans or model.patch_embed.proj.in_channels
+    size = args.img_size or (model.patch_embed.img_size or (224,))[0]
+
+    def fits(values: Any) -> Any:  # a 3-channel default does not describe other inputs (eval_data_config says so)
+        return values if values and len(values) in (1, in_chans) and (recorded or in_chans == 3) else ()
+
+    data_cfg = eval_data_config(size, args.crop_pct or base.get('crop_pct') or 0.875, model, in_chans,
+                                args.mean or fits(base.get('mean')), args.std or fits(base.get('std')))
+    data_cfg.update({k: base[k] for k in ('interpolation', 'crop_mode') if base.get(k)})
+    return data_cfg
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -94,26 +126,29 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 raise ConfigError(f'{e} (as recorded in the metadata of {os.path.abspath(args.checkpoint)})') \
                     from None
             raise
+        converts = bool(state) and is_standard_attention_state(state) and any(
+            isinstance(m, CollaborativeAttention) for m in model.modules())  # fit_state converts them on load
         if state:
             model.load_state_dict(fit_state(model, state, args.checkpoint,
                                             conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
         model.to(dist_info.device)
 
-        data_cfg = meta.get('data_config')
-        if not data_cfg or args.img_size or args.crop_pct or args.mean or args.std or args.in_chans:
-            size = img_size or model.patch_embed.img_size[0]
-            in_chans = args.in_chans or model.patch_embed.proj.in_channels
-            recorded = data_cfg or {}
-            data_cfg = eval_data_config(size, args.crop_pct or recorded.get('crop_pct') or
-                                        model.pretrained_cfg.get('crop_pct', 0.875), model, in_chans,
-                                        args.mean or recorded.get('mean') or (), args.std or recorded.get('std') or ())
+        recorded = meta.get('data_config')
+        if not recorded and converts:  # timm/DeiT weights converted on load: evaluated as timm evaluates them
+            recorded = source_weights_pipeline(name, model)
+        if args.data_config_from:
+            recorded = read_weights(args.data_config_from)[1].get('data_config')
+            if not recorded:
+                raise ConfigError(f'--data-config-from {args.data_config_from} records no data config')
+        data_cfg = eval_pipeline(args, recorded, model)
         dataset = build_dataset(args.dataset, args.data_dir, args.split, is_training=False,
                                 download=args.dataset_download)
         loader = build_eval_loader(dataset, data_cfg, args.batch_size, args.workers, dist_info)
-        metrics = evaluate(model, loader, dist_info, shard_size(len(dataset), dist_info),
+        metrics = evaluate(model, loader, dist_info, eval_shard_size(dataset, dist_info, args.workers),
                            autocast_context(dist_info.device, args.amp, 'bfloat16'), progress=True)
         results = {'model': name, 'model_kwargs': kwargs, 'checkpoint': args.checkpoint, 'use_ema': args.use_ema,
-                   'num_params': sum(p.numel() for p in model.parameters()), **metrics}
+                   'num_params': sum(p.numel() for p in model.parameters()),
+                   'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()}, **metrics}
         if dist_info.is_main:
             print(f"{name}: top-1 {metrics['top1']:.2f} | top-5 {metrics['top5']:.2f} | loss {metrics['loss']:.4f} "
                   f"| {metrics['img_per_s']:.0f} img/s | {metrics['num_samples']} images", flush=True)

@@ -25,7 +25,8 @@ GROUPS: Dict[str, Dict[str, str]] = {
         'img_size': 'input image size in pixels (square)',
         'in_chans': 'image channels (1 for grayscale data such as Fashion-MNIST)',
         'drop_path': 'stochastic depth rate',
-        'checkpoint': 'initial weights: a training checkpoint, .safetensors export or timm/DeiT .pth (fine-tuning)',
+        'checkpoint': 'initial weights: a training checkpoint, .safetensors export, timm/DeiT .pth or a '
+                      'save_pretrained folder (fine-tuning)',
     },
     'data': {
         'data_dir': 'dataset root (ImageFolder with train/ and val/, tar files, WebDataset shards, ...)',

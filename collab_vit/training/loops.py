@@ -1,19 +1,36 @@
-"""One training epoch and one evaluation pass (the two loops; everything else is assembled in ``trainer``)."""
+"""One training epoch and one evaluation pass (the two loops; everything else is assembled in ``trainer``).
+
+What is synchronised when (a sync: a device-to-host read in this code, or a blocking collective):
+
+* per batch: nothing. Losses, their sample count and a non-finite flag accumulate on the device
+  (:class:`DeviceTally`); DDP's gradient all-reduce is asynchronous and overlaps the backward pass.
+* every ``log_interval`` optimizer updates, at the last update of a pass and before any checkpoint: one read
+  (:meth:`DeviceTally.read`), which when distributed is one all-reduce of (loss sum, count, non-finite batches,
+  stop wanted, samples) followed by one ``.tolist()``. A non-finite loss stops the run there, naming the first
+  bad update; a stop request is agreed there by all ranks (at most ``log_interval`` updates after it was asked for;
+  in one process it is answered at the next update, with no collective).
+* by design, outside this rule: ``skip_nonfinite_loss: true`` reads every loss (one ``.item()`` and, distributed,
+  one all-reduce per batch: it must know before the backward pass whether to skip it); timm's ``NativeScaler``
+  (fp16 AMP) reads ``found_inf`` at every update; an EMA kept on the CPU (``model_ema_force_cpu``) copies the
+  weights to the host at every update.
+* evaluation: nothing per batch; one all-reduce and one read at the end of the pass.
+"""
 from __future__ import annotations
 
 import contextlib
 import math
 import sys
 import time
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from timm.utils import AverageMeter, ModelEmaV3, NativeScaler, accuracy, dispatch_clip_grad
+from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .distributed import DistInfo, all_reduce_sum
+from .distributed import DistInfo, all_gather_rows, all_reduce_sum
 from .preemption import StopRequest
 
 
@@ -21,9 +38,10 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or inf (or too many such batches in a row were skipped); one-line message."""
 
 
-def _nonfinite_on_any_rank(loss_value: float, device: torch.device) -> bool:
-    """True on every rank when the loss of any rank is NaN/inf, so that all ranks skip or stop together."""
-    bad = not math.isfinite(loss_value)
+def _nonfinite_on_any_rank(loss: torch.Tensor, device: torch.device) -> bool:
+    """True on every rank when the loss of any rank is NaN/inf (a host read and, distributed, an all-reduce: only
+    ``skip_nonfinite_loss`` uses it, per batch)."""
+    bad = not math.isfinite(loss.item())
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         flag = torch.tensor([1.0 if bad else 0.0], device=device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -44,159 +62,217 @@ def on_terminal() -> bool:
     return sys.stderr.isatty()
 
 
-def train_one_epoch(
-        model: torch.nn.Module,
-        loader,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: torch.nn.Module,
-        dist_info: DistInfo,
-        epoch: int,
-        num_updates: int,
-        scheduler=None,
-        sched_on_updates: bool = False,
-        accum_steps: int = 1,
-        clip_grad: float = 0.0,
-        clip_mode: str = 'norm',
-        mixup_fn=None,
-        autocast=contextlib.nullcontext,
-        loss_scaler: Optional[NativeScaler] = None,
-        model_ema: Optional[ModelEmaV3] = None,
-        progress: bool = True,
-        stop_request: Optional[StopRequest] = None,
-        log_interval: int = 50,
-        skip_nonfinite: bool = False,
-        max_nonfinite_skips: int = 5,
-) -> tuple[Dict[str, float], int]:
+@dataclass
+class StepParts:
+    """What the training pass uses besides the model and the loader (built once by the trainer)."""
+
+    optimizer: torch.optim.Optimizer
+    loss_fn: torch.nn.Module
+    dist_info: DistInfo
+    scheduler: Any = None
+    sched_on_updates: bool = False
+    accum_steps: int = 1
+    clip_grad: float = 0.0
+    clip_mode: str = 'norm'
+    mixup_fn: Any = None
+    autocast: Callable[[], Any] = contextlib.nullcontext
+    loss_scaler: Optional[NativeScaler] = None
+    model_ema: Optional[ModelEmaV3] = None
+    stop_request: Optional[StopRequest] = None
+    progress: bool = True
+    log_interval: int = 50
+    skip_nonfinite: bool = False
+    max_nonfinite_skips: int = 5
+
+
+class DeviceTally:
+    """Loss sum, finite-sample count, non-finite batches and the first non-finite batch of a pass, on the device.
+
+    :meth:`add` launches a few element-wise kernels and reads nothing; :meth:`read` is the one host sync (and,
+    distributed, the one all-reduce), which also carries this rank's stop wish and sample count.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x samples, finite samples, bad batches
+        self.first = torch.full((3,), -1.0, dtype=torch.float64, device=device)  # update, batch, loss of first bad
+        self.device = device
+
+    def add(self, loss: torch.Tensor, n: int, update: int, batch: int) -> None:
+        loss = loss.detach().double()
+        finite = torch.isfinite(loss)
+        self.sums += torch.stack((torch.where(finite, loss * n, 0.0), finite.double() * n, (~finite).double()))
+        new = (~finite) & (self.first[0] < 0)
+        self.first[0:1].masked_fill_(new, float(update))  # scalars go in as kernel arguments: no copy, no read
+        self.first[1:2].masked_fill_(new, float(batch))
+        self.first[2:3].copy_(torch.where(new, loss, self.first[2]))
+
+    def read(self, stop_wanted: bool, samples: int) -> Dict[str, float]:
+        """Totals over all ranks (one all-reduce when distributed, one host read)."""
+        extra = torch.tensor([float(stop_wanted), float(samples)], dtype=torch.float64).to(self.device)
+        loss, n, bad, stop, total = all_reduce_sum(torch.cat((self.sums, extra))).tolist()
+        return {'loss_sum': loss, 'count': n, 'bad': bad, 'stop': stop > 0, 'samples': total}
+
+    def first_bad(self) -> List[float]:
+        """(update, batch, loss) of the earliest non-finite batch over all ranks (read only after a failed read)."""
+        rows = [r for r in all_gather_rows(self.first) if r[0] >= 0]
+        return min(rows, key=lambda r: (r[0], r[1]))
+
+
+def _backward_and_step(model, loss: torch.Tensor, parts: StepParts, window: int, update: bool) -> None:
+    """Backward of ``loss / window`` (the mean over the window's samples, batches being equal), and at the end of a
+    window the optimizer step (clipping; timm's NativeScaler under fp16)."""
+    if parts.loss_scaler is not None:  # fp16: the scaler reads found_inf at every update (a host sync, by design)
+        parts.loss_scaler(loss / window, parts.optimizer, clip_grad=parts.clip_grad or None,
+                          clip_mode=parts.clip_mode, parameters=model.parameters(), need_update=update)
+        return
+    (loss / window).backward()
+    if update:
+        if parts.clip_grad:
+            dispatch_clip_grad(model.parameters(), parts.clip_grad, mode=parts.clip_mode)
+        parts.optimizer.step()
+
+
+def _after_update(model, parts: StepParts, num_updates: int) -> None:
+    parts.optimizer.zero_grad(set_to_none=True)
+    if parts.model_ema is not None:  # kept on the CPU (model_ema_force_cpu): a device-to-host copy per update
+        parts.model_ema.update(model.module if isinstance(model, DistributedDataParallel) else model,
+                               step=num_updates)
+    if parts.scheduler is not None and parts.sched_on_updates:
+        parts.scheduler.step_update(num_updates=num_updates)
+
+
+def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int,
+                    num_updates: int) -> tuple[Dict[str, Any], int]:
     """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far).
 
-    With ``stop_request``, all ranks leave together after the first optimizer update at which a stop was asked for;
-    the metrics then say ``stopped: True`` and ``batches`` counts the batches trained in this pass. Progress (rank
-    0, ``progress``): a tqdm bar on a terminal, else one plain line every ``log_interval`` updates.
-
-    A NaN/inf loss (on any rank) raises :class:`NonFiniteLossError` naming the epoch and update, before its backward
-    pass, so the weights stay as they were after the last good update. With ``skip_nonfinite`` the batch gets no
-    backward pass and its accumulation window no optimizer update (``nonfinite_skipped`` counts such batches); more
-    than ``max_nonfinite_skips`` of them in a row still stop the run.
+    Accumulation: every window of ``accum_steps`` batches (the last one of a pass may be shorter) makes one update
+    from the mean loss over its batches, so its gradient is that of one batch of the window's samples.
+    With ``stop_request``, all ranks leave together after the update at which they agreed on a stop (see the
+    module docstring for when); the metrics then say ``stopped: True`` and ``batches`` counts the batches trained.
+    A NaN/inf loss (on any rank) raises :class:`NonFiniteLossError` naming the epoch and the first bad update, at
+    the next read; the weights in memory may then be non-finite, and are never saved. With ``skip_nonfinite`` the
+    batch is checked at once, gets no backward pass and its window no update (``nonfinite_skipped`` counts them);
+    more than ``max_nonfinite_skips`` of them in a row still stop the run.
     """
     model.train()
-    device = dist_info.device
-    loss_meter = AverageMeter()
-    num_batches = len(loader)
-    samples = batches = 0
-    stopped = False
-    skipped = in_a_row = 0
-    window_skipped = False  # a batch of the current accumulation window was skipped: no update for this window
+    dist_info, accum = parts.dist_info, parts.accum_steps
+    device, num_batches = dist_info.device, len(loader)
+    tally = DeviceTally(device)
+    samples = batches = skipped = in_a_row = 0
+    window_skipped, totals, read_at, i = False, None, None, -1
     start = time.perf_counter()
-    show = progress and dist_info.is_main
+    show = parts.progress and dist_info.is_main
     lines = show and not on_terminal()
     bar = tqdm(loader, total=num_batches, desc=f'epoch {epoch}', leave=False, dynamic_ncols=True,
                disable=not show or lines)
-    optimizer.zero_grad(set_to_none=True)
+    parts.optimizer.zero_grad(set_to_none=True)
     for i, (images, targets) in enumerate(bar):
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        if mixup_fn is not None:
-            images, targets = mixup_fn(images, targets)
-        need_update = (i + 1) % accum_steps == 0 or i + 1 == num_batches
-        sync = need_update or not hasattr(model, 'no_sync')
-        with (contextlib.nullcontext() if sync else model.no_sync()):
-            with autocast():
-                loss = loss_fn(model(images), targets)
-            loss_value = loss.item()
-            nonfinite = _nonfinite_on_any_rank(loss_value, device)
-            if nonfinite:
-                skipped += 1
-                in_a_row += 1
-                where = f'epoch {epoch}, update {num_updates + 1} (batch {i + 1} of {num_batches} in this pass)'
-                if not skip_nonfinite or in_a_row > max_nonfinite_skips:
+        if parts.mixup_fn is not None:
+            images, targets = parts.mixup_fn(images, targets)
+        window = min(accum, num_batches - i // accum * accum)  # the last window of a pass may be short
+        need_update = (i + 1) % accum == 0 or i + 1 == num_batches
+        with (contextlib.nullcontext() if need_update or not hasattr(model, 'no_sync') else model.no_sync()):
+            with parts.autocast():
+                loss = parts.loss_fn(model(images), targets)
+            if parts.skip_nonfinite and _nonfinite_on_any_rank(loss, device):  # opt-in: a read per batch
+                skipped, in_a_row, window_skipped = skipped + 1, in_a_row + 1, True
+                if in_a_row > parts.max_nonfinite_skips:
                     bar.close()
-                    why = (f'{in_a_row} batches in a row with a non-finite loss, the last at {where} '
-                           f'(max_nonfinite_skips {max_nonfinite_skips})') if skip_nonfinite else \
-                        f'non-finite loss ({loss_value}) at {where}'
-                    raise NonFiniteLossError(why)
-                window_skipped = True
+                    raise NonFiniteLossError(
+                        f'{in_a_row} batches in a row with a non-finite loss, the last at epoch {epoch}, update '
+                        f'{num_updates + 1} (batch {i + 1} of {num_batches} in this pass) (max_nonfinite_skips '
+                        f'{parts.max_nonfinite_skips})')
             else:
                 in_a_row = 0
-                if loss_scaler is not None:
-                    loss_scaler(loss / accum_steps, optimizer, clip_grad=clip_grad or None, clip_mode=clip_mode,
-                                parameters=model.parameters(), need_update=need_update and not window_skipped)
-                else:
-                    (loss / accum_steps).backward()
-                    if need_update and not window_skipped:
-                        if clip_grad:
-                            dispatch_clip_grad(model.parameters(), clip_grad, mode=clip_mode)
-                        optimizer.step()
-        if need_update and window_skipped:
-            optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
-            window_skipped = False
-        elif need_update:
-            optimizer.zero_grad(set_to_none=True)
+                _backward_and_step(model, loss, parts, window, need_update and not window_skipped)
+                tally.add(loss, images.shape[0], num_updates + 1, i + 1)
+        samples, batches = samples + images.shape[0], batches + 1
+        if not need_update:
+            continue
+        updated, window_skipped = not window_skipped, False
+        if updated:
             num_updates += 1
-            if model_ema is not None:
-                model_ema.update(model.module if isinstance(model, DistributedDataParallel) else model,
-                                 step=num_updates)
-            if scheduler is not None and sched_on_updates:
-                scheduler.step_update(num_updates=num_updates)
-        if not nonfinite:
-            loss_meter.update(loss_value, images.shape[0])
-        samples += images.shape[0]
-        batches += 1
-        bar.set_postfix(loss=f'{loss_meter.avg:.4f}', lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-        if lines and need_update and num_updates % max(log_interval, 1) == 0:
-            print(f"epoch {epoch} [{i + 1}/{num_batches}] loss {loss_meter.avg:.4f} "
-                  f"lr {optimizer.param_groups[0]['lr']:.2e} {samples / (time.perf_counter() - start):.0f} img/s",
-                  flush=True)
-        if need_update and stop_request is not None and stop_request.should_stop(device):
-            stopped = True
-            break
+            _after_update(model, parts, num_updates)
+        else:
+            parts.optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
+        stop_here = parts.stop_request is not None and parts.stop_request.requested()
+        at_interval = updated and num_updates % max(parts.log_interval, 1) == 0
+        if at_interval or i + 1 == num_batches or (stop_here and not dist_info.distributed):
+            totals, read_at = _checked_read(tally, stop_here, samples, epoch, num_batches, bar), i
+            if (lines and at_interval) or not bar.disable:  # a log file: one line per log_interval updates
+                _show_progress(bar, lines, epoch, i, num_batches, totals, parts.optimizer, start)
+            if totals['stop']:
+                parts.stop_request.agree(stop_here)
+                break
     bar.close()
+    if read_at != i:  # the loader ended before len(loader) batches (an iterable set): read before any save
+        totals = _checked_read(tally, False, samples, epoch, num_batches, bar)
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    totals = all_reduce_sum(torch.tensor([loss_meter.sum, loss_meter.count, samples], dtype=torch.float64,
-                                         device=device)).tolist()
-    metrics = {'train_loss': totals[0] / max(totals[1], 1), 'lr': optimizer.param_groups[0]['lr'],
-               'img_per_s': totals[2] / elapsed, 'train_time': elapsed, 'batches': batches, 'stopped': stopped,
+    metrics = {'train_loss': totals['loss_sum'] / max(totals['count'], 1),
+               'lr': parts.optimizer.param_groups[0]['lr'], 'img_per_s': totals['samples'] / elapsed,
+               'train_time': elapsed, 'batches': batches, 'stopped': bool(totals['stop']),
                'nonfinite_skipped': skipped}
     return metrics, num_updates
 
 
+def _checked_read(tally: DeviceTally, stop_here: bool, samples: int, epoch: int, num_batches: int,
+                  bar) -> Dict[str, float]:
+    """The tally's read; a non-finite loss on any rank raises, naming the first bad update (batches skipped by
+    ``skip_nonfinite`` never reach the tally)."""
+    totals = tally.read(stop_here, samples)
+    if totals['bad']:
+        update, batch, loss = tally.first_bad()
+        bar.close()
+        raise NonFiniteLossError(f'non-finite loss ({loss}) at epoch {epoch}, update {int(update)} (batch '
+                                 f'{int(batch)} of {num_batches} in this pass)')
+    return totals
+
+
+def _show_progress(bar, lines: bool, epoch: int, i: int, num_batches: int, totals: Dict[str, float],
+                   optimizer, start: float) -> None:
+    loss, lr = totals['loss_sum'] / max(totals['count'], 1), optimizer.param_groups[0]['lr']
+    if lines:
+        print(f"epoch {epoch} [{i + 1}/{num_batches}] loss {loss:.4f} lr {lr:.2e} "
+              f"{totals['samples'] / (time.perf_counter() - start):.0f} img/s", flush=True)
+    else:
+        bar.set_postfix(loss=f'{loss:.4f}', lr=f'{lr:.2e}')
+
+
 @torch.no_grad()
-def evaluate(
-        model: torch.nn.Module,
-        loader,
-        dist_info: DistInfo,
-        num_samples: int,
-        autocast=contextlib.nullcontext,
-        progress: bool = False,
-) -> Dict[str, float]:
+def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: Optional[int],
+             autocast=contextlib.nullcontext, progress: bool = False) -> Dict[str, float]:
     """Top-1 / top-5 (percent), mean cross-entropy and throughput over the whole eval set, reduced over ranks.
 
-    ``num_samples`` is the real number of samples on this rank; the distributed sampler's padding is dropped.
+    ``num_samples`` is the real number of samples on this rank (the distributed sampler's padding is dropped), or
+    None where the loader yields each sample once already (an iterable data set). Counts stay on the device: one
+    all-reduce and one read at the end.
     """
     model.eval()
     device = dist_info.device
-    loss_sum = correct1 = correct5 = seen = 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits
+    seen = 0
     start = time.perf_counter()
     show = progress and dist_info.is_main and on_terminal()  # evaluation is short: no lines in a log file
     for images, targets in tqdm(loader, desc='eval', leave=False, disable=not show):
-        keep = min(images.shape[0], num_samples - int(seen))
+        keep = images.shape[0] if num_samples is None else min(images.shape[0], num_samples - seen)
         if keep <= 0:
             break
         images, targets = images[:keep].to(device, non_blocking=True), targets[:keep].to(device, non_blocking=True)
         with autocast():
             logits = model(images)
         logits = logits.float()
-        maxk = min(5, logits.shape[1])
-        acc1, acc5 = accuracy(logits, targets, topk=(1, maxk))
-        loss_sum += F.cross_entropy(logits, targets, reduction='sum').item()
-        correct1 += round(acc1.item() * keep / 100)
-        correct5 += round(acc5.item() * keep / 100)
+        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
+        sums += torch.stack((F.cross_entropy(logits, targets, reduction='sum').double(),
+                             hits[:, 0].sum().double(), hits.any(dim=1).sum().double()))
         seen += keep
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    loss_sum, correct1, correct5, seen, _ = all_reduce_sum(torch.tensor(
-        [loss_sum, correct1, correct5, seen, 0.0], dtype=torch.float64, device=device)).tolist()
+    extra = torch.tensor([float(seen)], dtype=torch.float64).to(device)
+    loss_sum, correct1, correct5, seen = all_reduce_sum(torch.cat((sums, extra))).tolist()
     n = max(seen, 1)
     return {'top1': 100 * correct1 / n, 'top5': 100 * correct5 / n, 'loss': loss_sum / n, 'num_samples': int(seen),
             'img_per_s': seen / elapsed if elapsed > 0 else 0.0}

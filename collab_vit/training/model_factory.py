@@ -8,19 +8,31 @@ from typing import Any, Dict, Optional
 
 import timm
 import torch
+from timm.models import parse_model_name
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import WeightsError, check_fit, read_weights
+from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
 from .errors import ConfigError
 
 _logger = logging.getLogger(__name__)
 
 
+def _has_source(name: str) -> bool:
+    """``local-dir:DIR`` or ``hf-hub:ID``: timm reads the architecture from the folder's or repository's config."""
+    try:
+        return parse_model_name(name)[0] is not None
+    except ValueError:  # a path without a source prefix, or an unknown prefix
+        return False
+
+
 def build_model(name: str, num_classes: int, img_size: Optional[int] = None, drop_path: float = 0.0,
                 model_kwargs: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
     """``timm.create_model`` with our models registered; ``img_size=None`` keeps the model's default.
+
+    ``local-dir:DIR`` (a ``collab_vit.save_pretrained`` folder) and ``hf-hub:ID`` names are timm's: the architecture
+    and keywords its ``config.json`` records (the weights are loaded separately, e.g. ``--checkpoint DIR``).
 
     An unknown model name, a keyword the model does not take, or a value it rejects (``key_dim`` <= 0, a per-block
     list of the wrong length, ...) is a one-line ConfigError.
@@ -30,7 +42,7 @@ def build_model(name: str, num_classes: int, img_size: Optional[int] = None, dro
         kwargs['img_size'] = img_size
     if drop_path:
         kwargs['drop_path_rate'] = drop_path
-    if not timm.is_model(name):
+    if not timm.is_model(name) and not _has_source(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=1)
         raise ConfigError(f"unknown model '{name}'" + (f"; did you mean '{close[0]}'?" if close else ''))
     try:
@@ -42,6 +54,19 @@ def build_model(name: str, num_classes: int, img_size: Optional[int] = None, dro
         raise ConfigError(f"model '{name}' does not take the keyword '{unknown.group(1)}' (model_kwargs)") from None
     except ValueError as e:
         raise ConfigError(f"bad model_kwargs for '{name}': {str(e).strip().splitlines()[0]}") from None
+
+
+def source_weights_pipeline(name: str, model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """For standard-attention weights converted on load into ``name``: the evaluation pipeline of the weights its
+    registered pretrained tag converts (``collab_deit_*.fb_in1k``: timm's cfg of its DeiT weights), at the model's
+    input size; None where the name has no such tag (the model's own cfg then applies)."""
+    try:
+        cfg = timm.models.get_pretrained_cfg(name)
+    except (RuntimeError, ValueError):
+        return None
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        return None
+    return model_pipeline(model, cfg.to_dict())
 
 
 def is_standard_attention_state(state: Dict[str, torch.Tensor]) -> bool:

@@ -2,8 +2,11 @@
 
 Slurm (``--signal``), ``scancel --signal`` or a user sends SIGUSR1 / SIGTERM to the trainer, or anyone creates
 ``<output>/STOP`` (the Slurm scripts do this when the batch shell is signalled: it reaches every node through the
-shared run directory). The training loop asks :meth:`StopRequest.should_stop` at each update boundary; the answer is
-agreed by all ranks, so they checkpoint after the same step and exit. Repeated signals change nothing (under Slurm a
+shared run directory). The training loop asks :meth:`StopRequest.requested` at each update boundary (host only) and
+the ranks agree on the answer at the loop's next read (every ``log_interval`` updates and at the end of a pass, see
+:mod:`.loops`; in one process at once), so they checkpoint after the same step and exit. The longest delay between a
+request and the stop is thus ``log_interval`` updates plus the checkpoint write: Slurm's ``--signal`` lead time must
+cover it. Repeated signals change nothing (under Slurm a
 worker gets SIGTERM both from slurmstepd and from its torchrun agent); SIGINT (Ctrl-C) still ends a run at once.
 
 Mid-epoch resume: the sample order of an epoch is a function of (seed, epoch) alone (:class:`EpochSeededSampler` in
@@ -40,6 +43,7 @@ class StopRequest:
         self.is_main = is_main
         self.received: Optional[str] = None
         self.decided: Optional[str] = None  # why the ranks agreed to stop ('another rank' where this one had none)
+        self.pending: Optional[str] = None  # this rank's reason, kept until the ranks agree
         self._previous = {}
         for sig in signals:
             try:
@@ -58,16 +62,26 @@ class StopRequest:
             return STOP_FILE
         return None
 
+    def requested(self) -> bool:
+        """Whether this rank has a reason to stop (asked once per optimizer update; host only, no collective). The
+        reason is kept until the ranks agree (:meth:`agree`), which the training loop does at its next read."""
+        self.pending = self.pending or self.reason()
+        return self.pending is not None
+
+    def agree(self, wanted_here: bool) -> None:
+        """Record that the ranks agreed to stop (``wanted_here``: this rank had a reason itself)."""
+        self.decided = (self.pending if wanted_here else None) or 'another rank'
+        self.pending = None
+
     def should_stop(self, device: torch.device) -> bool:
         """True on every rank when any rank has a reason to stop (one all-reduce when distributed)."""
-        reason = self.reason()
-        wanted = reason is not None
+        wanted = self.requested()
         if dist.is_available() and dist.is_initialized():
             flag = torch.tensor([1.0 if wanted else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             wanted = bool(flag.item())
         if wanted:
-            self.decided = reason or 'another rank'
+            self.agree(self.pending is not None)
         return wanted
 
     def acknowledge(self) -> bool:
