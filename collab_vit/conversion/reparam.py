@@ -21,10 +21,10 @@ from ..layers.attention import CollaborativeAttention, check_key_dim
 from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, whitened_decomposition,
                           whitened_rank, whitening)
 from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
-from ..layers.weight_decay import exclude_mixing_from_decay
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
 from .refine import check_steps, refine_logits
+from .support import all_or_nothing, check_model
 
 # "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
 METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
@@ -51,11 +51,9 @@ class LayerReport:
 
 
 def timm_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
-    """Every layer of exact type timm ``Attention``; a one-line ``ValueError`` if there is none."""
-    layers = [(name, module) for name, module in model.named_modules() if type(module) is Attention]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no timm Attention layer to re-parametrise")
-    return layers
+    """Every timm ``Attention`` layer of ``model``; a one-line ``ValueError`` naming the first attention layer that
+    cannot be converted and why (qk_norm, rope, ...), or if there is none (``support.check_model``)."""
+    return check_model(model).layers
 
 
 def resolve_key_dims(spec: KeyDimSpec, layers: list[tuple[str, Attention]]) -> list[int]:
@@ -223,6 +221,7 @@ class ConversionReport(list):
     def __init__(self, reports: Sequence[LayerReport] = (), summary: Optional[dict] = None) -> None:
         super().__init__(reports)
         self.summary = summary or {}
+        self.kept: dict[str, str] = {}  # attention-like parts left as they are, and why (``support.check_model``)
 
 
 def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
@@ -258,6 +257,7 @@ def _split_holdout(images: torch.Tensor, holdout: Union[None, int, torch.Tensor]
     return images, n - int(holdout)
 
 
+@all_or_nothing
 def reparametrize_layers(
         model: nn.Module,
         key_dim: KeyDimSpec = None,
@@ -280,6 +280,9 @@ def reparametrize_layers(
         whiten: bool = True,
 ) -> ConversionReport:
     """Swap every timm ``Attention`` of ``model`` in place; return one ``LayerReport`` per layer.
+
+    Checked first (``support.check_model``): a model with an attention layer that cannot be converted (qk_norm,
+    rope, ...) is refused with one line before any work; one that fails half way is put back as it was.
 
     Args:
         key_dim: int for every layer, a list (one per layer), an energy threshold in (0, 1], or None (exact).
@@ -383,7 +386,6 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
         _swap(model, name, fitted.layer)
         from_ = "weight spectrum" if isinstance(key_dim, float) else "given"
         reports.append(LayerReport(name, rank, fitted.tensor_error, output_error, seconds, key_dim_from=from_))
-    exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
     return ConversionReport(reports)
 
 
