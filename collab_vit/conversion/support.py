@@ -106,7 +106,7 @@ def check_model(model: nn.Module) -> Support:
         inside = (*inside, name)
     if refused:
         name, cls, why = refused[0]
-        more = f" (and {len(refused) - 1} more layers)" if len(refused) > 1 else ""
+        more = {1: "", 2: " (and 1 more layer)"}.get(len(refused), f" (and {len(refused) - 1} more layers)")
         raise ValueError(f"cannot convert {name or 'the model'} ({cls}): {why}{more}; the model is left as it was")
     if not support.layers:
         raise ValueError(f"{type(model).__name__} has no timm Attention layer (self-attention) to convert")
