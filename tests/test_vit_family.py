@@ -195,6 +195,14 @@ def test_convert_cli_any_timm_model_to_a_folder_and_a_file(siglip_file, tmp_path
     assert torch.equal(vit_family.logits(rebuilt, x), vit_family.logits(expected, x))
     assert json.loads((tmp_path / "m.json").read_text())["kept"] == report["kept"]
 
+    from collab_vit.training.eval_cli import parse_args, run
+    from tinyrun import make_image_folder
+    data = make_image_folder(tmp_path / "data", classes=10, train_per_class=1, val_per_class=1, size=32)
+    results = [run(parse_args(["--checkpoint", str(tmp_path / out), "--data-dir", str(data), "--workers", "0"]))
+               for out in ("m.safetensors", "folder")]  # eval.py takes both, and scores them alike
+    assert results[0]["model"] == results[1]["model"] == "collab_vit_generic"
+    assert results[0]["top1"] == results[1]["top1"] and results[0]["data_config"] == results[1]["data_config"]
+
 
 def test_convert_cli_bad_out_is_one_line(siglip_file, tmp_path: Path, capsys) -> None:
     path, flags = siglip_file
@@ -207,3 +215,11 @@ def test_convert_cli_bad_out_is_one_line(siglip_file, tmp_path: Path, capsys) ->
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and message in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_one_layer_with_qk_norm_is_refused_before_decomposing(monkeypatch) -> None:
+    from timm.layers import Attention
+
+    monkeypatch.setitem(reparam.METHODS, "tucker", lambda *a, **k: pytest.fail("decomposed a refused layer"))
+    with pytest.raises(ValueError, match="cannot convert this Attention: qk_norm"):
+        collab_vit.reparametrize_attention(Attention(32, 4, qk_norm=True, norm_layer=torch.nn.LayerNorm), 8)

@@ -121,8 +121,13 @@ def output_kind(out: Path) -> str:
 
 def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None) -> Support:
     """The support of ``model_name``'s architecture, built without weights on the meta device (nothing downloaded,
-    no memory): a one-line ``ValueError`` for a model that cannot be converted (``support.check_model``)."""
-    return check_model(_create(model_name, dict(model_kwargs or {}), device="meta"))
+    no memory; on the CPU where a model cannot be built on ``meta``): a one-line ``ValueError`` for a model that
+    cannot be converted (``support.check_model``)."""
+    try:
+        skeleton = _create(model_name, dict(model_kwargs or {}), device="meta")
+    except NotImplementedError:  # an init that needs real tensors
+        skeleton = _create(model_name, dict(model_kwargs or {}))
+    return check_model(skeleton)
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,

@@ -24,7 +24,7 @@ from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
 from .refine import check_steps, refine_logits
-from .support import all_or_nothing, check_model
+from .support import all_or_nothing, attention_reason, check_model
 
 # "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
 METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
@@ -133,6 +133,9 @@ def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str
     """:func:`reparametrize_attention` with the errors of the fit (see there)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+    why = attention_reason(attn) if isinstance(attn, Attention) else "not a timm Attention"
+    if why is not None:  # before the decomposition
+        raise ValueError(f"cannot convert this {type(attn).__name__}: {why}")
     sides = None
     if calibration is not None:
         moments = calibration if isinstance(calibration, TokenMoments) else TokenMoments.of(calibration)
