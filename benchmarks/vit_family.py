@@ -55,13 +55,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "DINOv2 (layer scale)": ("vit_small_patch14_dinov2", {}),
     "DINOv2 with registers": ("vit_small_patch14_reg4_dinov2", {}),
     "parallel blocks (two attentions per block)": ("vit_small_patch16_18x2_224", {}),
+    "BEiT (relative position bias, layer scale)": ("beit_base_patch16_224", {}),
 }
 # label -> (timm name, keywords over SMALL): refused, with the reason check_model gives
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
     "ViT with qk_norm": ("vit_tiny_patch16_224", dict(qk_norm=True)),
     "ViT with rotary embedding (EVA-style)": ("vit_base_patch16_rope_reg1_gap_256", {}),
     "EVA-02": ("eva02_tiny_patch14_224", {}),
-    "BEiT (relative position bias)": ("beit_base_patch16_224", {}),
     "ResNet-18 (no attention)": ("resnet18", None),
 }
 
@@ -87,9 +87,9 @@ def create(name: str, kwargs: Optional[dict[str, Any]], seed: int = 0) -> torch.
     model = timm.create_model(name, **SMALL, **kwargs) if kwargs is not None else timm.create_model(name)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if param_name.endswith(("bias", "gamma")) and not param_name.startswith("head"):
+            if param_name.endswith(("bias", "gamma", "gamma_1", "gamma_2")) and not param_name.startswith("head"):
                 param.normal_(0, 0.2)
-            elif param_name.endswith("qkv.weight"):
+            elif param_name.endswith(("qkv.weight", "relative_position_bias_table")):
                 param.normal_(0, 0.15)
     return model.eval()
 
@@ -155,7 +155,7 @@ def measure(label: str) -> Row:
     source = create(name, kwargs)
     half = copy.deepcopy(source)
     attn = check_model(source).layers[0][1]
-    collab_vit.reparametrize_layers(half, key_dim=attn.attn_dim // 2, method="tucker", progress=False)
+    collab_vit.reparametrize_layers(half, key_dim=attn.qkv.out_features // 6, method="tucker", progress=False)
     x = images()
     base, approx = logits(source, x), logits(half, x)
     agreement = (base.argmax(-1) == approx.argmax(-1)).double().mean().item()

@@ -20,7 +20,8 @@ from collab_vit.conversion import reparam
 from numerics import U32, assert_within
 
 README = Path(__file__).parents[1] / "README.md"
-NOT_SAVED = {"DeiT distilled (distillation token)", "parallel blocks (two attentions per block)"}
+NOT_SAVED = {"DeiT distilled (distillation token)", "parallel blocks (two attentions per block)",
+             "BEiT (relative position bias, layer scale)"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,6 +69,10 @@ def test_exact_at_full_rank_and_reloaded_by_timm(label: str) -> None:
     else:
         assert reload == "bit-identical"
     assert bool(exact.kept) == ("SigLIP" in label)
+    if "BEiT" in label:  # the relative position bias carried over: without it the logits differ
+        for block in exact.converted.blocks:
+            block.attn.relative_position_bias_table = None
+        assert vit_family.max_error(vit_family.logits(exact.converted, vit_family.images()), exact.ref) > 1e-3
 
 
 def no_decay_names(model: torch.nn.Module) -> set[str]:
@@ -223,3 +228,22 @@ def test_one_layer_with_qk_norm_is_refused_before_decomposing(monkeypatch) -> No
     monkeypatch.setitem(reparam.METHODS, "tucker", lambda *a, **k: pytest.fail("decomposed a refused layer"))
     with pytest.raises(ValueError, match="cannot convert this Attention: qk_norm"):
         collab_vit.reparametrize_attention(Attention(32, 4, qk_norm=True, norm_layer=torch.nn.LayerNorm), 8)
+
+
+def test_beit_attention_rewritten_as_timm_attention_is_the_same_function() -> None:
+    """relpos.from_beit: fused qkv bias [q_bias, 0, v_bias] plus the relative position bias, float64 against BEiT's
+    own layer (both explicit and SDPA), with and without a shared bias."""
+    from collab_vit.conversion.relpos import from_beit
+    from numerics import attention_chain
+
+    model = vit_family.create("beit_base_patch16_224", {}).double()
+    beit = model.blocks[0].attn
+    ours = from_beit(beit)
+    x = torch.randn(2, 17, 64, dtype=torch.float64)
+    shared = torch.randn(1, 4, 17, 17, dtype=torch.float64)
+    for fused in (False, True):
+        beit.fused_attn = ours.fused_attn = fused
+        for bias in (None, shared):
+            with torch.no_grad():
+                assert_within(ours(x, shared_rel_pos_bias=bias), beit(x, shared_rel_pos_bias=bias),
+                              attention_chain(64, 64, 17), torch.float64, what=f"fused={fused}")

@@ -12,10 +12,11 @@ converted and the reason:
   of the two tokens;
 * rotary position embedding (``AttentionRope``, EVA's attention with rope): the form depends on the positions;
 * differential attention, gated outputs, ``attn_head_dim x heads != dim``, and attention classes other than timm's
-  (BEiT's relative-position attention, EVA, ...): not covered;
+  (EVA, ...): not covered;
 * no self-attention layer at all (a CNN, say).
 
-Parts that are not self-attention stay as they are and are reported (``kept``): SigLIP's attention-pool head
+BEiT's attention (relative position bias, additive to the logits) converts too: ``relpos.py`` rewrites it as timm's
+``Attention`` plus the bias first. Parts that are not self-attention stay as they are and are reported (``kept``): SigLIP's attention-pool head
 (``AttentionPoolLatent``: a learned latent query cross-attends to the tokens).
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent
 
 from ..layers.attention import CollaborativeAttention, ConcatAttention
+from ..layers.relpos import RelPosAttention
 from ..layers.weight_decay import exclude_mixing_from_decay
+from .relpos import is_beit_attention, prepare
 
 ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
 ROPE = "rotary position embedding makes the logits depend on the token positions (not one bilinear form)"
@@ -49,13 +52,13 @@ KEPT_BY_CLASS = {
 class Support:
     """What a conversion of a model touches: the layers it converts and the attention-like parts it keeps."""
 
-    layers: list[tuple[str, Attention]] = field(default_factory=list)
+    layers: list[tuple[str, nn.Module]] = field(default_factory=list)  # timm Attention; BEiT's until ``prepare``
     kept: dict[str, str] = field(default_factory=dict)  # module name -> why it stays as it is
 
 
 def attention_reason(attn: nn.Module) -> Optional[str]:
     """Why a timm ``Attention`` (or subclass) does not convert exactly; None when it does."""
-    if type(attn).forward is not Attention.forward:
+    if type(attn).forward is not Attention.forward and not isinstance(attn, RelPosAttention):
         return f"{type(attn).__name__} subclasses timm's Attention with its own forward: not known to be convertible"
     if not isinstance(attn.q_norm, nn.Identity) or not isinstance(attn.k_norm, nn.Identity):
         return ("qk_norm normalises each head's queries and keys token by token, so the logits are not a bilinear "
@@ -76,7 +79,7 @@ def _other_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
         return f"EvaAttention with {ROPE}"
     if name in REASONS_BY_CLASS:
         return REASONS_BY_CLASS[name]
-    if hasattr(module, "relative_position_bias_table"):
+    if hasattr(module, "relative_position_bias_table") and not isinstance(module, RelPosAttention):
         return f"{type(module).__module__}.{name} (relative position bias): not timm's Attention, not covered"
     child_names = {n for n, _ in module.named_children()}
     if ATTENTION_LIKE.search(name) or child_names & {"qkv", "q_proj", "in_proj", "qkv_proj"}:
@@ -94,6 +97,13 @@ def check_model(model: nn.Module) -> Support:
         if isinstance(module, Attention):
             why = attention_reason(module)
             (refused.append((name, type(module).__name__, why)) if why else support.layers.append((name, module)))
+        elif is_beit_attention(module):  # relative position bias: additive to the logits (``relpos.py``)
+            dim, attn_dim = module.qkv.in_features, module.qkv.out_features // 3
+            if attn_dim != dim:
+                refused.append((name, "beit.Attention", f"heads x head dim ({attn_dim}) differs from dim ({dim}): "
+                                                        f"not covered"))
+            else:
+                support.layers.append((name, module))
         elif isinstance(module, (CollaborativeAttention, ConcatAttention)):
             refused.append((name, type(module).__name__, "already collaborative or cut attention"))
         elif type(module) in KEPT_BY_CLASS:
@@ -127,10 +137,12 @@ def all_or_nothing(convert: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(convert)
     def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        support = check_model(model)
+        check_model(model)
         children = [(module, dict(module._modules), module.training) for module in model.modules()]
         cls = model.__class__
         try:
+            prepare(model)  # BEiT's layers as timm Attention plus the bias (relpos.py)
+            support = check_model(model)
             report = convert(model, *args, **kwargs)
         except BaseException:
             for module, modules, training in children:
