@@ -27,9 +27,9 @@ import timm
 import torch
 import torch.nn as nn
 from timm.layers import GluMlp, LayerScale, Mlp, SwiGLU
-from timm.models.vision_transformer import Block
 from timm.models import VisionTransformer, push_to_hf_hub as timm_push_to_hf_hub, save_for_hf
 
+from .conversion.support import hub_design_problem
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import COLLAB_MODELS, CONCAT_MODELS, GENERIC_MODEL
 from .weights_io import EVAL_KEYS, HUB_CONFIG, HUB_WEIGHTS
@@ -83,11 +83,9 @@ def _norm(model: VisionTransformer) -> tuple[str, float]:
 
 def describe(model: nn.Module) -> tuple[str, dict[str, Any]]:
     """The registered entry point and keyword arguments that rebuild ``model`` (see the module docstring)."""
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"save_pretrained takes a timm VisionTransformer, got {type(model).__name__}")
-    odd = sorted({type(block).__name__ for block in model.blocks if not isinstance(block, Block)})
-    if odd:
-        raise ValueError(f"save_pretrained: blocks of class {', '.join(odd)} are not ones collab_vit_generic rebuilds")
+    problem = hub_design_problem(model)
+    if problem is not None:
+        raise ValueError(problem if problem.startswith("save_pretrained") else f"save_pretrained: {problem}")
     layers = [block.attn for block in model.blocks]
     kinds = {type(layer) for layer in layers}
     if not all(isinstance(layer, (CollaborativeAttention, ConcatAttention)) for layer in layers) or (

@@ -247,3 +247,15 @@ def test_beit_attention_rewritten_as_timm_attention_is_the_same_function() -> No
             with torch.no_grad():
                 assert_within(ours(x, shared_rel_pos_bias=bias), beit(x, shared_rel_pos_bias=bias),
                               attention_chain(64, 64, 17), torch.float64, what=f"fused={fused}")
+
+
+def test_convert_cli_refuses_a_design_it_cannot_write_before_downloading(tmp_path: Path, capsys, monkeypatch) -> None:
+    """BEiT converts in Python, but no registered entry point rebuilds it: refused before any download."""
+    monkeypatch.setattr(timm.models._builder, "load_pretrained",
+                        lambda *a, **k: pytest.fail("downloaded weights of a model it refuses"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["convert", "--model", "beit_base_patch16_224", "--key-dim", "16", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err
+    assert "beit_base_patch16_224 converts (collab_vit.reparametrize_layers) but cannot be written" in err
+    assert list(tmp_path.iterdir()) == []

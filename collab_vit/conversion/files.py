@@ -19,7 +19,7 @@ from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, sugges
 from ..weights_io import atomic_write, export_safetensors, model_pipeline, read_weights
 from .calibration import DEFAULT_RIDGE, calibration_images
 from .reparam import LayerReport, probe_input_size, reparametrize_layers
-from .support import Support, check_model
+from .support import Support, check_model, hub_design_problem
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
 
@@ -127,7 +127,18 @@ def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None)
         skeleton = _create(model_name, dict(model_kwargs or {}), device="meta")
     except NotImplementedError:  # an init that needs real tensors
         skeleton = _create(model_name, dict(model_kwargs or {}))
-    return check_model(skeleton)
+    return check_design(skeleton, model_name)
+
+
+def check_design(model: nn.Module, model_name: str) -> Support:
+    """``check_model``, and for a model other than timm's DeiTs whether its converted design can be recorded (the
+    file or folder names ``collab_vit_generic``): a one-line ``ValueError`` before any work."""
+    support = check_model(model)
+    problem = None if DEIT_NAME.match(model_name) else hub_design_problem(model)
+    if problem is not None:
+        raise ValueError(f"{model_name} converts (collab_vit.reparametrize_layers) but cannot be written as a file or "
+                         f"folder: {problem}")
+    return support
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
@@ -155,7 +166,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     if model_name:
         check_source(model_name, model_kwargs)  # an unsupported model fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
-    support = check_model(model)
+    support = check_design(model, model_name)
     deit = DEIT_NAME.match(model_name)
     if kind == "file" and not deit and describe is None:
         raise ValueError(f"{model_name}: a .safetensors output of a model other than timm's DeiTs needs describe "

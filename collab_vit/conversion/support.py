@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent
+from timm.models import VisionTransformer
+from timm.models.vision_transformer import Block
 
 from ..layers.attention import CollaborativeAttention, ConcatAttention
 from ..layers.relpos import RelPosAttention
@@ -121,6 +123,17 @@ def check_model(model: nn.Module) -> Support:
     if not support.layers:
         raise ValueError(f"{type(model).__name__} has no timm Attention layer (self-attention) to convert")
     return support
+
+
+def hub_design_problem(model: nn.Module) -> Optional[str]:
+    """Why ``collab_vit_generic`` (``save_pretrained``, a converted file) cannot rebuild ``model``'s design whatever
+    its attention: not a timm ``VisionTransformer`` of timm ``Block``s; None when it may."""
+    if not isinstance(model, VisionTransformer):
+        return f"save_pretrained takes a timm VisionTransformer, got {type(model).__name__}"
+    odd = sorted({type(block).__name__ for block in model.blocks if not isinstance(block, Block)})
+    if odd:
+        return f"blocks of class {', '.join(odd)} are not ones collab_vit_generic rebuilds"
+    return None
 
 
 def kept_text(kept: dict[str, str]) -> str:
