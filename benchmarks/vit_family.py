@@ -56,12 +56,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "DINOv2 with registers": ("vit_small_patch14_reg4_dinov2", {}),
     "parallel blocks (two attentions per block)": ("vit_small_patch16_18x2_224", {}),
     "BEiT (relative position bias, layer scale)": ("beit_base_patch16_224", {}),
+    "EVA-01 (no rope, fused qkv with q/v biases)": ("eva_giant_patch14_224", dict(qkv_bias=True)),
+    "EVA, separate q/k/v projections, scale norm": ("eva_giant_patch14_224", dict(qkv_fused=False, scale_attn_inner=True)),
 }
 # label -> (timm name, keywords over SMALL): refused, with the reason check_model gives
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
     "ViT with qk_norm": ("vit_tiny_patch16_224", dict(qk_norm=True)),
     "ViT with rotary embedding (EVA-style)": ("vit_base_patch16_rope_reg1_gap_256", {}),
     "EVA-02": ("eva02_tiny_patch14_224", {}),
+    "EVA-01 with qk_norm": ("eva_giant_patch14_224", dict(qk_norm=True)),
     "ResNet-18 (no attention)": ("resnet18", None),
 }
 
@@ -89,7 +92,7 @@ def create(name: str, kwargs: Optional[dict[str, Any]], seed: int = 0) -> torch.
         for param_name, param in model.named_parameters():
             if param_name.endswith(("bias", "gamma", "gamma_1", "gamma_2")) and not param_name.startswith("head"):
                 param.normal_(0, 0.2)
-            elif param_name.endswith(("qkv.weight", "relative_position_bias_table")):
+            elif param_name.endswith(("qkv.weight", "q_proj.weight", "k_proj.weight", "relative_position_bias_table")):
                 param.normal_(0, 0.15)
     return model.eval()
 
@@ -102,6 +105,8 @@ def chain(model: torch.nn.Module) -> int:
     parallel = len(getattr(model.blocks[0], "attns", [attn]))
     k = vit_chain(dim, len(model.blocks) * parallel, tokens, model.patch_embed.proj.in_channels *
                   model.patch_embed.proj.kernel_size[0] * model.patch_embed.proj.kernel_size[1], mlp_ratio=mlp_ratio)
+    if not isinstance(getattr(attn, "norm", None) or torch.nn.Identity(), torch.nn.Identity):
+        k += len(model.blocks) * dim  # the scale norm inside the attention
     if getattr(model, "attn_pool", None) is not None:
         k += attention_chain(dim, dim, tokens) + dim + int(mlp_ratio * dim)
     return k
@@ -154,8 +159,7 @@ def measure(label: str) -> Row:
     exact = full_rank(label)
     source = create(name, kwargs)
     half = copy.deepcopy(source)
-    attn = check_model(source).layers[0][1]
-    collab_vit.reparametrize_layers(half, key_dim=attn.qkv.out_features // 6, method="tucker", progress=False)
+    collab_vit.reparametrize_layers(half, key_dim=source.embed_dim // 2, method="tucker", progress=False)
     x = images()
     base, approx = logits(source, x), logits(half, x)
     agreement = (base.argmax(-1) == approx.argmax(-1)).double().mean().item()

@@ -21,7 +21,8 @@ from numerics import U32, assert_within
 
 README = Path(__file__).parents[1] / "README.md"
 NOT_SAVED = {"DeiT distilled (distillation token)", "parallel blocks (two attentions per block)",
-             "BEiT (relative position bias, layer scale)"}
+             "BEiT (relative position bias, layer scale)", "EVA-01 (no rope, fused qkv with q/v biases)",
+             "EVA, separate q/k/v projections, scale norm"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,6 +74,9 @@ def test_exact_at_full_rank_and_reloaded_by_timm(label: str) -> None:
         for block in exact.converted.blocks:
             block.attn.relative_position_bias_table = None
         assert vit_family.max_error(vit_family.logits(exact.converted, vit_family.images()), exact.ref) > 1e-3
+    if "EVA" in label:  # EVA's blocks pass rope=None; a rope given to a layer converted without one is refused
+        with pytest.raises(ValueError, match="without rotary embeddings"):
+            exact.converted.blocks[0].attn(torch.randn(1, 17, 64), rope=torch.zeros(16, 32))
 
 
 def no_decay_names(model: torch.nn.Module) -> set[str]:
@@ -109,6 +113,7 @@ REFUSALS = {  # refused label -> what the one line must say
     "ViT with qk_norm": "blocks.0.attn (Attention): qk_norm",
     "ViT with rotary embedding (EVA-style)": "blocks.0.attn (EvaAttention): EvaAttention with rotary position",
     "ResNet-18 (no attention)": "ResNet has no timm Attention layer",
+    "EVA-01 with qk_norm": "blocks.0.attn (EvaAttention): qk_norm normalises",
 }
 
 
@@ -146,8 +151,7 @@ def test_a_conversion_failing_half_way_puts_the_model_back(monkeypatch) -> None:
         assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("label", ["ViT with qk_norm", "ViT with rotary embedding (EVA-style)",
-                                   "ResNet-18 (no attention)"])
+@pytest.mark.parametrize("label", list(REFUSALS))
 def test_convert_cli_refuses_before_downloading_or_writing(label: str, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(timm.models._builder, "load_pretrained",
                         lambda *a, **k: pytest.fail("downloaded weights of a model it refuses"))
@@ -231,9 +235,9 @@ def test_one_layer_with_qk_norm_is_refused_before_decomposing(monkeypatch) -> No
 
 
 def test_beit_attention_rewritten_as_timm_attention_is_the_same_function() -> None:
-    """relpos.from_beit: fused qkv bias [q_bias, 0, v_bias] plus the relative position bias, float64 against BEiT's
+    """forms.from_beit: fused qkv bias [q_bias, 0, v_bias] plus the relative position bias, float64 against BEiT's
     own layer (both explicit and SDPA), with and without a shared bias."""
-    from collab_vit.conversion.relpos import from_beit
+    from collab_vit.conversion.forms import from_beit
     from numerics import attention_chain
 
     model = vit_family.create("beit_base_patch16_224", {}).double()

@@ -24,7 +24,7 @@ from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
 from .refine import check_steps, refine_logits
-from .relpos import adopts_rel_pos
+from .forms import keeps_form
 from .support import all_or_nothing, attention_reason, check_model
 
 # "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
@@ -128,7 +128,7 @@ def layer_key_dim(spec: Union[None, int, float], wq: torch.Tensor, wk: torch.Ten
     return check_key_dim(spec), "given"
 
 
-@adopts_rel_pos
+@keeps_form
 def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str = "tucker",
                   calibration: Union[None, torch.Tensor, TokenMoments] = None, ridge: float = DEFAULT_RIDGE,
                   **options) -> LayerFit:

@@ -15,8 +15,8 @@ converted and the reason:
   (EVA, ...): not covered;
 * no self-attention layer at all (a CNN, say).
 
-BEiT's attention (relative position bias, additive to the logits) converts too: ``relpos.py`` rewrites it as timm's
-``Attention`` plus the bias first. Parts that are not self-attention stay as they are and are reported (``kept``): SigLIP's attention-pool head
+BEiT's attention (relative position bias, additive to the logits) and EVA's without rope (fused or separate q/k/v)
+convert too: ``forms.py`` rewrites them as timm's ``Attention`` first. Parts that are not self-attention stay as they are and are reported (``kept``): SigLIP's attention-pool head
 (``AttentionPoolLatent``: a learned latent query cross-attends to the tokens).
 """
 from __future__ import annotations
@@ -32,16 +32,14 @@ from timm.models import VisionTransformer
 from timm.models.vision_transformer import Block
 
 from ..layers.attention import CollaborativeAttention, ConcatAttention
-from ..layers.relpos import RelPosAttention
+from ..layers.forms import EvaFormAttention, RelPosAttention
 from ..layers.weight_decay import exclude_mixing_from_decay
-from .relpos import is_beit_attention, prepare
+from .forms import GATED, QK_NORM, eva_reason, is_beit_attention, is_eva_attention, prepare
 
 ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
 ROPE = "rotary position embedding makes the logits depend on the token positions (not one bilinear form)"
 REASONS_BY_CLASS = {  # class name -> why it does not convert
     "AttentionRope": ROPE,
-    "EvaAttention": "EVA attention (rotary position embedding when the model has one, separate q/k/v, its own "
-                    "norms): not timm's Attention, not covered",
     "DiffAttention": "differential attention subtracts two softmax maps: no single collaborative softmax",
 }
 KEPT_BY_CLASS = {
@@ -60,13 +58,12 @@ class Support:
 
 def attention_reason(attn: nn.Module) -> Optional[str]:
     """Why a timm ``Attention`` (or subclass) does not convert exactly; None when it does."""
-    if type(attn).forward is not Attention.forward and not isinstance(attn, RelPosAttention):
+    if type(attn).forward is not Attention.forward and not isinstance(attn, (RelPosAttention, EvaFormAttention)):
         return f"{type(attn).__name__} subclasses timm's Attention with its own forward: not known to be convertible"
     if not isinstance(attn.q_norm, nn.Identity) or not isinstance(attn.k_norm, nn.Identity):
-        return ("qk_norm normalises each head's queries and keys token by token, so the logits are not a bilinear "
-                "form of the tokens")
+        return QK_NORM
     if getattr(attn, "gate", None) is not None:
-        return "a gated output (sigmoid gate on the heads) the collaborative layer does not have"
+        return GATED
     dim = attn.qkv.in_features
     if attn.attn_dim != dim or attn.proj.out_features != dim:
         return (f"heads x head dim ({attn.attn_dim}) or output dim ({attn.proj.out_features}) differs from dim "
@@ -99,7 +96,10 @@ def check_model(model: nn.Module) -> Support:
         if isinstance(module, Attention):
             why = attention_reason(module)
             (refused.append((name, type(module).__name__, why)) if why else support.layers.append((name, module)))
-        elif is_beit_attention(module):  # relative position bias: additive to the logits (``relpos.py``)
+        elif is_eva_attention(module) and getattr(model, "rope", None) is None:  # rewritten (``forms.py``)
+            why = eva_reason(module, model)
+            (refused.append((name, type(module).__name__, why)) if why else support.layers.append((name, module)))
+        elif is_beit_attention(module):  # relative position bias: additive to the logits (``forms.py``)
             dim, attn_dim = module.qkv.in_features, module.qkv.out_features // 3
             if attn_dim != dim:
                 refused.append((name, "beit.Attention", f"heads x head dim ({attn_dim}) differs from dim ({dim}): "
@@ -154,7 +154,7 @@ def all_or_nothing(convert: Callable[..., Any]) -> Callable[..., Any]:
         children = [(module, dict(module._modules), module.training) for module in model.modules()]
         cls = model.__class__
         try:
-            prepare(model)  # BEiT's layers as timm Attention plus the bias (relpos.py)
+            prepare(model)  # BEiT's and EVA's layers in timm Attention's form (forms.py)
             support = check_model(model)
             report = convert(model, *args, **kwargs)
         except BaseException:

@@ -1,9 +1,12 @@
-"""Attention with BEiT's relative position bias, standard and collaborative.
+"""timm's attention in the forms of other timm families, standard and collaborative: BEiT's relative position bias,
+EVA's call signature (without rope).
 
 BEiT adds a learned bias ``B[h, n, m]`` (a table indexed by the relative position of tokens n and m) to the logits
 of head h. It is additive to the logits and does not depend on the tokens' content, so it carries over unchanged
 into collaborative attention (eq. 5 plus the same additive term): both layers pass it as the additive ``attn_mask``
-of the layers they extend, with the signature of BEiT's layer, ``forward(x, shared_rel_pos_bias=None)``.
+of the layers they extend, with the signature of BEiT's layer, ``forward(x, shared_rel_pos_bias=None)``. EVA's blocks call their attention
+as ``attn(x, rope=..., attn_mask=..., is_causal=...)``; a model without rotary embeddings passes ``rope=None``,
+and its layers are timm's attention under that signature (a rope given to them is an error).
 """
 from __future__ import annotations
 
@@ -53,3 +56,22 @@ class CollaborativeRelPosAttention(RelPosBias, CollaborativeAttention):
 
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return super().forward(x, attn_mask=self.rel_pos_mask(shared_rel_pos_bias))
+
+
+class RopeFreeCall:
+    """Mixin: ``forward(x, rope=None, attn_mask=None, is_causal=False)`` as EVA's blocks call it; ``rope`` must be
+    None (the layer was converted from a model without rotary embeddings)."""
+
+    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        if rope is not None:
+            raise ValueError(f"{type(self).__name__} was converted from a layer without rotary embeddings; got rope")
+        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+
+
+class EvaFormAttention(RopeFreeCall, Attention):
+    """EVA's attention without rope (fused or separate q/k/v) written as timm's ``Attention``."""
+
+
+class CollaborativeEvaFormAttention(RopeFreeCall, CollaborativeAttention):
+    """Collaborative attention (eq. 5) under EVA's call signature."""
