@@ -189,9 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help="re-parametrise a timm ViT (DeiT, DeiT-III, augreg, CLIP, SigLIP, DINOv2, registers, ...) "
         "into collaborative attention",
-        description="Convert any timm model built from timm's Attention (fused qkv; layer scale, registers, no class "
-        "token, pre-norm, attention-pool heads kept). qk_norm, rotary embeddings and models without such "
-        "attention are refused with one line before anything is downloaded or written.")
+        description="Convert any timm VisionTransformer built from timm's Attention (fused qkv; layer scale, "
+        "registers, no class token, pre-norm; attention-pool heads kept as they are). qk_norm, rotary embeddings, "
+        "models without such attention, and designs no registered entry point rebuilds (BEiT, EVA, parallel "
+        "blocks: convert those with collab_vit.reparametrize_layers in Python) are refused with one line before "
+        "anything is downloaded or written.")
     convert.add_argument("--model", help="timm model name, e.g. deit_base_patch16_224, vit_small_patch14_dinov2 "
                          "(default: read from the checkpoint)")
     convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors) for --model; default: timm's "

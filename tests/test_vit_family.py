@@ -263,3 +263,14 @@ def test_convert_cli_refuses_a_design_it_cannot_write_before_downloading(tmp_pat
     assert exit_info.value.code == 2 and "\n" not in err
     assert "beit_base_patch16_224 converts (collab_vit.reparametrize_layers) but cannot be written" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_spectrum_of_beit_and_eva_layers_reads_their_timm_form() -> None:
+    """``collab-vit analyze`` (``layer_spectra``) on BEiT and EVA with separate q/k/v: the model is not changed."""
+    from collab_vit.conversion.spectrum import layer_spectra
+
+    for label in ("BEiT (relative position bias, layer scale)", "EVA, separate q/k/v projections, scale norm"):
+        model = vit_family.create(*vit_family.CASES[label])
+        before = snapshot(model)
+        assert len(layer_spectra(model)) == 2
+        assert_untouched(model, before)

@@ -25,7 +25,7 @@ from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_de
                         split_qkv_heads, tucker_decompose)
 from .refine import check_steps, refine_logits
 from .forms import keeps_form
-from .support import all_or_nothing, attention_reason, check_model
+from .support import all_or_nothing, attention_forms, attention_reason
 
 # "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
 METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
@@ -53,8 +53,9 @@ class LayerReport:
 
 def timm_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
     """Every timm ``Attention`` layer of ``model``; a one-line ``ValueError`` naming the first attention layer that
-    cannot be converted and why (qk_norm, rope, ...), or if there is none (``support.check_model``)."""
-    return check_model(model).layers
+    cannot be converted and why (qk_norm, rope, ...), or if there is none (``support.check_model``); BEiT / EVA
+    layers in timm's form (``support.attention_forms``)."""
+    return attention_forms(model)
 
 
 def resolve_key_dims(spec: KeyDimSpec, layers: list[tuple[str, Attention]]) -> list[int]:

@@ -34,6 +34,7 @@ from timm.models.vision_transformer import Block
 from ..layers.attention import CollaborativeAttention, ConcatAttention
 from ..layers.forms import EvaFormAttention, RelPosAttention
 from ..layers.weight_decay import exclude_mixing_from_decay
+from . import forms
 from .forms import GATED, QK_NORM, eva_reason, is_beit_attention, is_eva_attention, prepare
 
 ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
@@ -123,6 +124,12 @@ def check_model(model: nn.Module) -> Support:
     if not support.layers:
         raise ValueError(f"{type(model).__name__} has no timm Attention layer (self-attention) to convert")
     return support
+
+
+def attention_forms(model: nn.Module) -> list[tuple[str, Attention]]:
+    """:func:`check_model`'s layers, each in timm ``Attention``'s form: BEiT / EVA layers not yet swapped by
+    ``forms.prepare`` are given as their rewritten copies (for reading, e.g. the spectrum; the model is unchanged)."""
+    return [(name, forms.rewrite(module, model) or module) for name, module in check_model(model).layers]
 
 
 def hub_design_problem(model: nn.Module) -> Optional[str]:
