@@ -85,7 +85,9 @@ def no_decay_names(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
-@pytest.mark.parametrize("label", ["SigLIP image tower (attention-pool head)", "DINOv2 with registers"])
+@pytest.mark.parametrize("label", ["SigLIP image tower (attention-pool head)", "DINOv2 with registers",
+                                   "BEiT (relative position bias, layer scale)",
+                                   "EVA, separate q/k/v projections, scale norm"])
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_mixing_out_of_decay_for_the_family(label: str, calibrated: bool) -> None:
     name, kwargs = vit_family.CASES[label]
@@ -254,14 +256,16 @@ def test_beit_attention_rewritten_as_timm_attention_is_the_same_function() -> No
 
 
 def test_convert_cli_refuses_a_design_it_cannot_write_before_downloading(tmp_path: Path, capsys, monkeypatch) -> None:
-    """BEiT converts in Python, but no registered entry point rebuilds it: refused before any download."""
+    """BEiT and the distilled DeiT convert in Python, but no registered entry point rebuilds them: refused before
+    any download."""
     monkeypatch.setattr(timm.models._builder, "load_pretrained",
                         lambda *a, **k: pytest.fail("downloaded weights of a model it refuses"))
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["convert", "--model", "beit_base_patch16_224", "--key-dim", "16", "--out", str(tmp_path / "b")])
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and "\n" not in err
-    assert "beit_base_patch16_224 converts (collab_vit.reparametrize_layers) but cannot be written" in err
+    for name in ("beit_base_patch16_224", "deit_tiny_distilled_patch16_224"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["convert", "--model", name, "--key-dim", "16", "--out", str(tmp_path / "b")])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and "\n" not in err
+        assert f"{name} converts (collab_vit.reparametrize_layers) but cannot be written" in err
     assert list(tmp_path.iterdir()) == []
 
 
