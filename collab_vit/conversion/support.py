@@ -87,6 +87,19 @@ def _other_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
     return None
 
 
+def _convertible_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
+    """For a layer of a kind the conversion handles (timm's ``Attention``, EVA's without rope, BEiT's): "" when it
+    converts, else why not; None for any other module."""
+    if isinstance(module, Attention):
+        return attention_reason(module) or ""
+    if is_eva_attention(module) and getattr(model, "rope", None) is None:  # rewritten first (``forms.py``)
+        return eva_reason(module, model) or ""
+    if is_beit_attention(module):  # relative position bias: additive to the logits (``forms.py``)
+        dim, attn_dim = module.qkv.in_features, module.qkv.out_features // 3
+        return f"heads x head dim ({attn_dim}) differs from dim ({dim}): not covered" if attn_dim != dim else ""
+    return None
+
+
 def check_model(model: nn.Module) -> Support:
     """The convertible layers and kept parts of ``model``; a one-line ``ValueError`` (layer and reason) if any
     attention layer cannot be converted, or if there is none. Reads the module tree only (works on ``meta``)."""
@@ -94,17 +107,10 @@ def check_model(model: nn.Module) -> Support:
     for name, module in model.named_modules():
         if inside and any(name.startswith(prefix + ".") for prefix in inside):
             continue  # submodules of a layer already classified
-        if isinstance(module, Attention):
-            why = attention_reason(module)
-            (refused.append((name, type(module).__name__, why)) if why else support.layers.append((name, module)))
-        elif is_eva_attention(module) and getattr(model, "rope", None) is None:  # rewritten (``forms.py``)
-            why = eva_reason(module, model)
-            (refused.append((name, type(module).__name__, why)) if why else support.layers.append((name, module)))
-        elif is_beit_attention(module):  # relative position bias: additive to the logits (``forms.py``)
-            dim, attn_dim = module.qkv.in_features, module.qkv.out_features // 3
-            if attn_dim != dim:
-                refused.append((name, "beit.Attention", f"heads x head dim ({attn_dim}) differs from dim ({dim}): "
-                                                        f"not covered"))
+        convertible = _convertible_reason(module, model)
+        if convertible is not None:
+            if convertible:
+                refused.append((name, type(module).__name__, convertible))
             else:
                 support.layers.append((name, module))
         elif isinstance(module, (CollaborativeAttention, ConcatAttention)):
