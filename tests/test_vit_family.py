@@ -205,6 +205,10 @@ def test_convert_cli_any_timm_model_to_a_folder_and_a_file(siglip_file, tmp_path
     rebuilt.load_state_dict(state)
     assert torch.equal(vit_family.logits(rebuilt, x), vit_family.logits(expected, x))
     assert json.loads((tmp_path / "m.json").read_text())["kept"] == report["kept"]
+    from_file = timm.create_model("collab_vit_generic", pretrained=True,  # the file alone, as the README says
+                                  pretrained_cfg_overlay=dict(file=str(tmp_path / "m.safetensors"))).eval()
+    assert torch.equal(vit_family.logits(from_file, x), vit_family.logits(expected, x))
+    assert tuple(from_file.pretrained_cfg["input_size"]) == (3, 32, 32)
 
     from collab_vit.training.eval_cli import parse_args, run
     from tinyrun import make_image_folder
