@@ -282,3 +282,29 @@ def test_spectrum_of_beit_and_eva_layers_reads_their_timm_form() -> None:
         before = snapshot(model)
         assert len(layer_spectra(model)) == 2
         assert_untouched(model, before)
+
+
+class PlainSubclass(timm.layers.Attention):
+    """A subclass that keeps timm's forward: converted like timm's Attention."""
+
+
+class OwnForward(timm.layers.Attention):
+    def forward(self, x, attn_mask=None, is_causal=False):
+        return super().forward(x, attn_mask, is_causal) * 2
+
+
+def test_attention_subclasses_and_differential_attention() -> None:
+    for layer, expected in ((PlainSubclass, None), (OwnForward, "OwnForward subclasses timm's Attention with its own "
+                                                                "forward"), ("diff", "differential attention")):
+        model = vit_family.create("vit_tiny_patch16_224", dict(attn_layer=layer))
+        if expected is None:
+            reference = copy.deepcopy(model).double()
+            collab_vit.reparametrize_layers(model, progress=False)
+            x = vit_family.images()
+            assert_within(vit_family.logits(model, x), vit_family.logits(reference, x.double()),
+                          vit_family.chain(reference))
+            continue
+        before = snapshot(model)
+        with pytest.raises(ValueError, match=expected):
+            collab_vit.reparametrize_layers(model, key_dim=16, progress=False)
+        assert_untouched(model, before)
