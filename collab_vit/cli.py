@@ -137,6 +137,8 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, parse_key_dim
+    from .conversion.support import kept_text
+    from .hub import checked_description, save_pretrained
     from .training.flags import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
@@ -147,9 +149,15 @@ def _convert(args: argparse.Namespace) -> None:
                                                  refine_steps=args.refine_steps, refine_lr=args.refine_lr)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
-                              device=args.device, max_iter=args.max_iter, tol=args.tol, **extra)
+                              device=args.device, max_iter=args.max_iter, tol=args.tol,
+                              describe=checked_description,
+                              save_folder=save_pretrained,
+                              **extra)
     print(format_report(reports))
-    print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+    if reports.kept:
+        print("kept as they are:\n" + kept_text(reports.kept))
+    sidecar = args.out.with_suffix(".json") if args.out.suffix == ".safetensors" else args.out / "conversion.json"
+    print(f"wrote {args.out} and {sidecar}")
 
 
 def _analyze(args: argparse.Namespace) -> None:
@@ -178,15 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "deit_base_patch16_224"])
     demo.set_defaults(run=_demo)
 
-    convert = commands.add_parser("convert", help="re-parametrise a pretrained DeiT into a collaborative model")
-    convert.add_argument("--model", help="timm DeiT name, e.g. deit_base_patch16_224 (default: read from the checkpoint)")
-    convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
+    convert = commands.add_parser(
+        "convert", help="re-parametrise a timm ViT (DeiT, DeiT-III, augreg, CLIP, SigLIP, DINOv2, registers, ...) "
+        "into collaborative attention",
+        description="Convert any timm VisionTransformer built from timm's Attention (fused qkv; layer scale, "
+        "registers, no class token, pre-norm; attention-pool heads kept as they are). qk_norm, rotary embeddings, "
+        "models without such attention, and designs no registered entry point rebuilds (BEiT, EVA, parallel "
+        "blocks: convert those with collab_vit.reparametrize_layers in Python) are refused with one line before "
+        "anything is downloaded or written.")
+    convert.add_argument("--model", help="timm model name, e.g. deit_base_patch16_224, vit_small_patch14_dinov2 "
+                         "(default: read from the checkpoint)")
+    convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors) for --model; default: timm's "
+                         "pretrained weights")
     convert.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
                          help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10")
     convert.add_argument("--key-dim", required=True, help="int, energy threshold (0.95) or comma list per layer")
     convert.add_argument("--method", choices=list(METHODS), default="tucker",
                          help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense)")
-    convert.add_argument("--out", type=Path, required=True, help="output .safetensors (+ .json sidecar)")
+    convert.add_argument("--out", type=Path, required=True,
+                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout (save_pretrained: "
+                         "config.json, model.safetensors; timm.create_model('local-dir:FOLDER')) + conversion.json")
     convert.add_argument("--seed", type=int, default=0)
     convert.add_argument("--max-iter", type=int, default=100)
     convert.add_argument("--tol", type=float, default=1e-6)

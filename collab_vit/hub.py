@@ -29,6 +29,7 @@ import torch.nn as nn
 from timm.layers import GluMlp, LayerScale, Mlp, SwiGLU
 from timm.models import VisionTransformer, push_to_hf_hub as timm_push_to_hf_hub, save_for_hf
 
+from .conversion.support import hub_design_problem
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import COLLAB_MODELS, CONCAT_MODELS, GENERIC_MODEL
 from .weights_io import EVAL_KEYS, HUB_CONFIG, HUB_WEIGHTS
@@ -82,8 +83,9 @@ def _norm(model: VisionTransformer) -> tuple[str, float]:
 
 def describe(model: nn.Module) -> tuple[str, dict[str, Any]]:
     """The registered entry point and keyword arguments that rebuild ``model`` (see the module docstring)."""
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"save_pretrained takes a timm VisionTransformer, got {type(model).__name__}")
+    problem = hub_design_problem(model)
+    if problem is not None:
+        raise ValueError(problem if problem.startswith("save_pretrained") else f"save_pretrained: {problem}")
     layers = [block.attn for block in model.blocks]
     kinds = {type(layer) for layer in layers}
     if not all(isinstance(layer, (CollaborativeAttention, ConcatAttention)) for layer in layers) or (
@@ -153,15 +155,22 @@ def _rebuilt_matches(model: nn.Module, name: str, args: dict[str, Any]) -> Optio
     return None
 
 
+def checked_description(model: nn.Module) -> tuple[str, dict[str, Any]]:
+    """``describe(model)``, checked: the model rebuilt from it gives bit-identical outputs, else a one-line
+    ``ValueError`` (what ``save_pretrained`` and ``collab-vit convert --out X.safetensors`` record)."""
+    name, args = describe(model)
+    why = _rebuilt_matches(model, name, args)
+    if why is not None:
+        raise ValueError(f"save_pretrained cannot describe this {type(model).__name__} for timm: {why}")
+    return name, args
+
+
 @contextmanager
 def _described(model: nn.Module, data_config: Optional[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Check that ``model`` can be described (else a one-line ValueError), then, for the block, give it the
     ``pretrained_cfg`` timm's ``save_for_hf`` records (architecture ours, the pipeline its source's or
     ``data_config``'s) and no factory arguments of its source; yields the ``model_args``."""
-    name, args = describe(model)
-    why = _rebuilt_matches(model, name, args)
-    if why is not None:
-        raise ValueError(f"save_pretrained cannot describe this {type(model).__name__} for timm: {why}")
+    name, args = checked_description(model)
     cfg = dict(getattr(model, "pretrained_cfg", None) or {})
     cfg.update({k: tuple(v) if isinstance(v, list) else v for k, v in (data_config or {}).items() if k in EVAL_KEYS})
     cfg.update(architecture=name, num_classes=model.num_classes)

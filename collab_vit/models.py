@@ -121,7 +121,8 @@ def _file_architecture(kwargs: dict[str, Any]) -> None:
         kwargs.setdefault(key, value)
     overlay.setdefault("num_classes", recorded.get("num_classes", 1000))
     size = recorded.get("img_size", 224)
-    overlay.setdefault("input_size", (recorded.get("in_chans", 3), size, size))
+    size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)  # collab_vit_generic records [H, W]
+    overlay.setdefault("input_size", (recorded.get("in_chans", 3), *size))
     pipeline = safetensors_metadata(overlay["file"]).get("data_config") or {}  # the source's evaluation
     for key in EVAL_KEYS:
         if key in pipeline:
@@ -142,8 +143,10 @@ def _create(
     ``conversion_method`` and ``conversion_options`` (how ``pretrained`` standard-attention weights are converted:
     "tucker", "cp" or "parafac", with decomposition options such as ``seed``, ``max_iter``, ``tol``).
     """
+    file_read = kwargs.pop("file_read", False)  # collab_vit_generic read the file's keywords itself
     if pretrained:
-        _file_architecture(kwargs)
+        if not file_read:
+            _file_architecture(kwargs)
     elif kwargs.get("pretrained_cfg") is None:  # not timm's DeiT weights: DeiT's own evaluation (module docstring)
         kwargs["pretrained_cfg_overlay"] = {"crop_pct": EVAL_CROP_PCT, **(kwargs.get("pretrained_cfg_overlay") or {})}
     key_dim: Union[None, int, Sequence[int]] = kwargs.pop("key_dim", fixed_key_dim)
@@ -315,6 +318,8 @@ def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransf
     ``"swiglu_packed"``), plus ``key_dim`` (an int, or one per block) and ``attention`` (``"collaborative"`` or
     ``"concatenate"``).
     """
+    if pretrained:
+        _file_architecture(kwargs)  # a converted file's recorded keywords, before the generic ones are read
     attention = kwargs.pop("attention", "collaborative")
     mlp_layer = kwargs.pop("mlp_layer", "mlp")
     if attention not in ATTENTIONS or mlp_layer not in MLP_LAYERS:
@@ -323,4 +328,5 @@ def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransf
     norm_eps = kwargs.pop("norm_eps", None)
     if norm_eps is not None:
         kwargs["norm_layer"] = partial(get_norm_layer(kwargs.get("norm_layer") or "layernorm"), eps=norm_eps)
-    return _create(GENERIC_MODEL, ATTENTIONS[attention], pretrained, mlp_layer=MLP_LAYERS[mlp_layer], **kwargs)
+    return _create(GENERIC_MODEL, ATTENTIONS[attention], pretrained, mlp_layer=MLP_LAYERS[mlp_layer],
+                   file_read=pretrained, **kwargs)

@@ -54,7 +54,7 @@ def test_reparametrize_errors() -> None:
         collab_vit.reparametrize(model, method="svd")
     with pytest.raises(ValueError, match="key_dim must be a positive integer"):
         collab_vit.reparametrize(model, key_dim=0)
-    with pytest.raises(ValueError, match="no timm Attention"):
+    with pytest.raises(ValueError, match="already collaborative or cut attention"):
         collab_vit.reparametrize(timm.create_model("collab_deit_tiny_patch16_224", **TINY))
 
 

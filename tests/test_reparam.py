@@ -157,11 +157,13 @@ def test_pretrained_tag_converts_on_load_and_caches(deit_tiny_file: str, tmp_pat
         assert torch.equal(first.eval()(x), reference) and torch.equal(second.eval()(x), reference)
 
 
-def test_cli_errors_are_one_line(capsys) -> None:
+def test_cli_errors_are_one_line(capsys, tmp_path) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["convert", "--model", "vit_base_patch16_224", "--key-dim", "96", "--out", "x.safetensors"])
-    assert exit_info.value.code == 2
-    assert "supports deit_{tiny,small,base}_patch16_224" in capsys.readouterr().err
+        cli_main(["convert", "--model", "vit_base_patch16_224", "--model-kwargs", "qk_norm=true", "--key-dim", "96",
+                  "--out", str(tmp_path / "x.safetensors")])
+    assert exit_info.value.code == 2 and not (tmp_path / "x.safetensors").exists()
+    err = capsys.readouterr().err
+    assert "cannot convert blocks.0.attn (Attention): qk_norm" in err and len(err.strip().splitlines()) == 1
 
 
 def test_convert_and_analyze_a_file_this_package_wrote(tmp_path) -> None:

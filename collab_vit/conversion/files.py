@@ -1,8 +1,9 @@
-"""``collab-vit convert`` and ``collab-vit analyze``: pretrained DeiT -> collaborative file, redundancy spectrum.
+"""``collab-vit convert`` and ``collab-vit analyze``: a timm ViT -> collaborative file or hub folder, spectrum.
 
-The source is timm's pretrained DeiT (``--model``), a DeiT ``.pth`` file (``--checkpoint``, loaded through timm's
-pretrained path), or a file this package wrote (a training export or checkpoint): those record the model name and
-keyword arguments, which are then used as they are (any DeiT size, image size, channels or classes).
+The source is any timm model whose attention converts (``support.py``: timm's ViT family) by name (``--model``,
+timm's pretrained weights), a weights file for that name (``--checkpoint``, e.g. a DeiT ``.pth``, loaded through
+timm's pretrained path), or a file this package wrote (a training export or checkpoint): those record the model name
+and keyword arguments, which are then used as they are (any size, image size, channels or classes).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, sugges
 from ..weights_io import atomic_write, export_safetensors, model_pipeline, read_weights
 from .calibration import DEFAULT_RIDGE, calibration_images
 from .reparam import LayerReport, probe_input_size, reparametrize_layers
+from .support import Support, check_model, hub_design_problem
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
 
@@ -26,9 +28,9 @@ def collaborative_name(source: str) -> str:
     """Registered collaborative model for a timm DeiT name; a one-line error for anything else."""
     match = DEIT_NAME.match(source)
     if not match:
-        raise ValueError(f"collab-vit convert supports deit_{{tiny,small,base}}_patch16_224, got {source!r}; "
-                         f"use collab_vit.reparametrize(model, ...) for other timm ViTs")
+        raise ValueError(f"{source!r} is not one of timm's deit_{{tiny,small,base}}_patch16_224")
     return f"collab_deit_{match.group(1)}_patch16_224"
+
 
 
 def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kwargs: Optional[dict[str, Any]] = None
@@ -101,37 +103,97 @@ def format_report(reports: list[LayerReport]) -> str:
     return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
 
 
+Describe = Callable[[nn.Module], tuple[str, dict[str, Any]]]
+
+
+def output_kind(out: Path) -> str:
+    """``"file"`` for ``X.safetensors``, ``"folder"`` for a folder path (timm's hub layout); else a one-line error."""
+    if out.suffix == ".safetensors":
+        if out.is_dir():
+            raise ValueError(f"--out {out} is a folder; a .safetensors output must be a file")
+        return "file"
+    if out.suffix and not out.is_dir():
+        raise ValueError(f"--out must be a .safetensors file or a folder (timm's hub layout), got {out}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    return "folder"
+
+
+def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None) -> Support:
+    """The support of ``model_name``'s architecture, built without weights on the meta device (nothing downloaded,
+    no memory; on the CPU where a model cannot be built on ``meta``): a one-line ``ValueError`` for a model that
+    cannot be converted (``support.check_model``)."""
+    try:
+        skeleton = _create(model_name, dict(model_kwargs or {}), device="meta")
+    except NotImplementedError:  # an init that needs real tensors
+        skeleton = _create(model_name, dict(model_kwargs or {}))
+    return check_design(skeleton, model_name)
+
+
+def check_design(model: nn.Module, model_name: str) -> Support:
+    """``check_model``, and for a model other than timm's DeiTs whether its converted design can be recorded (the
+    file or folder names ``collab_vit_generic``): a one-line ``ValueError`` before any work."""
+    support = check_model(model)
+    problem = None if DEIT_NAME.match(model_name) else hub_design_problem(model)
+    if problem is not None:
+        raise ValueError(f"{model_name} converts (collab_vit.reparametrize_layers) but cannot be written as a file or "
+                         f"folder: {problem}")
+    return support
+
+
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
+                    describe: Optional[Describe] = None,
+                    save_folder: Optional[Callable[[nn.Module, str, dict[str, Any]], Any]] = None,
                     **options) -> list[LayerReport]:
-    """Convert, then write ``out`` (safetensors with name, key dims and errors in its metadata) and a JSON sidecar.
+    """Convert, then write ``out``: a ``.safetensors`` file (name, key dims and errors in its metadata) and a JSON
+    sidecar, or, for a folder path, ``save_folder(model, out, data_config)`` (timm's hub layout) with the report in
+    ``out/conversion.json``.
 
-    The file records the collaborative model's name and keyword arguments (the source's, see :func:`load_source`,
-    plus one key dim per layer) and the source's evaluation data config, so ``eval.py`` and
-    ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model from the file alone.
-    ``calibration(source_model, metadata)`` gives calibration images (data-aware conversion, ``options`` as
-    ``reparametrize_layers``'); nothing is written when they are bad. ``device`` runs the model's forward passes
-    and the refinement there (the decompositions run on the CPU).
+    Any timm model whose attention layers convert (``support.py``); the architecture is checked without weights
+    before anything is downloaded or written. The file records the collaborative model's name and keyword
+    arguments (for a timm DeiT: ``collab_deit_*`` with the source's keywords, see :func:`load_source`, plus one key
+    dim per layer; for any other model: ``describe(model)``, e.g. ``hub.checked_description``) and the source's
+    evaluation data config, so ``eval.py`` and ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))``
+    rebuild the converted model from the file alone. ``calibration(source_model, metadata)`` gives calibration
+    images (data-aware conversion, ``options`` as ``reparametrize_layers``'); nothing is written when they are bad.
+    ``device`` runs the model's forward passes and the refinement there (the decompositions run on the CPU).
     """
-    if out.suffix != ".safetensors":
-        raise ValueError(f"--out must end in .safetensors, got {out}")
+    kind = output_kind(out)
+    if kind == "folder" and save_folder is None:
+        raise ValueError(f"--out {out}: a folder output needs save_folder (collab_vit.save_pretrained)")
     if model_name:
-        collaborative_name(model_name)  # an unsupported name fails before any download
+        check_source(model_name, model_kwargs)  # an unsupported model fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
-    target = collaborative_name(model_name)
+    support = check_design(model, model_name)
+    deit = DEIT_NAME.match(model_name)
+    if kind == "file" and not deit and describe is None:
+        raise ValueError(f"{model_name}: a .safetensors output of a model other than timm's DeiTs needs describe "
+                         f"(collab_vit.hub.checked_description)")
     model.to(device)
     if calibration is not None:
         options["calibration"] = calibration(model, meta)
     reports = reparametrize_layers(model, key_dim, method, seed, **options)
-    model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}
-    if model.num_classes != 1000:
-        model_kwargs["num_classes"] = model.num_classes
     info = {"source": checkpoint or model_name, "method": method, "seed": seed,
-            "layers": [r.as_dict() for r in reports]}
+            "layers": [r.as_dict() for r in reports], "kept": support.kept}
     if getattr(reports, "summary", None):
         info["calibration"] = reports.summary
-    extra: dict[str, Any] = {"conversion": info, "data_config": meta.get("data_config") or model_pipeline(model)}
+    data_config = meta.get("data_config") or model_pipeline(model)
+    model.cpu()
+    if kind == "folder":
+        save_folder(model, str(out), data_config)
+        text = json.dumps({"source_model": model_name, **info}, indent=2)
+        atomic_write(str(out / "conversion.json"), lambda tmp: Path(tmp).write_text(text))
+        return reports
+    if deit:
+        target = collaborative_name(model_name)
+        model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}
+        if model.num_classes != 1000:
+            model_kwargs["num_classes"] = model.num_classes
+    else:
+        target, model_kwargs = describe(model)
+    extra: dict[str, Any] = {"conversion": info, "data_config": data_config}
     out.parent.mkdir(parents=True, exist_ok=True)
     export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra=extra)
     sidecar = out.with_suffix(".json")

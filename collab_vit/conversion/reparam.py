@@ -20,13 +20,14 @@ from timm.layers import Attention
 from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention, check_key_dim
-from ..layers.weight_decay import exclude_mixing_from_decay
 from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, whitened_decomposition,
                           whitened_rank, whitening)
 from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
 from .refine import check_steps, refine_logits
+from .forms import keeps_form
+from .support import all_or_nothing, attention_forms, attention_reason
 
 # "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
 METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
@@ -53,11 +54,10 @@ class LayerReport:
 
 
 def timm_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
-    """Every layer of exact type timm ``Attention``; a one-line ``ValueError`` if there is none."""
-    layers = [(name, module) for name, module in model.named_modules() if type(module) is Attention]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no timm Attention layer to re-parametrise")
-    return layers
+    """Every timm ``Attention`` layer of ``model``; a one-line ``ValueError`` naming the first attention layer that
+    cannot be converted and why (qk_norm, rope, ...), or if there is none (``support.check_model``); BEiT / EVA
+    layers in timm's form (``support.attention_forms``)."""
+    return attention_forms(model)
 
 
 def resolve_key_dims(spec: KeyDimSpec, layers: list[tuple[str, Attention]]) -> list[int]:
@@ -131,12 +131,16 @@ def layer_key_dim(spec: Union[None, int, float], wq: torch.Tensor, wk: torch.Ten
     return check_key_dim(spec), "given"
 
 
+@keeps_form
 def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str = "tucker",
                   calibration: Union[None, torch.Tensor, TokenMoments] = None, ridge: float = DEFAULT_RIDGE,
                   **options) -> LayerFit:
     """:func:`reparametrize_attention` with the errors of the fit (see there)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+    why = attention_reason(attn) if isinstance(attn, Attention) else "not a timm Attention"
+    if why is not None:  # before the decomposition
+        raise ValueError(f"cannot convert this {type(attn).__name__}: {why}")
     sides = None
     if calibration is not None:
         moments = calibration if isinstance(calibration, TokenMoments) else TokenMoments.of(calibration)
@@ -225,6 +229,7 @@ class ConversionReport(list):
     def __init__(self, reports: Sequence[LayerReport] = (), summary: Optional[dict] = None) -> None:
         super().__init__(reports)
         self.summary = summary or {}
+        self.kept: dict[str, str] = {}  # attention-like parts left as they are, and why (``support.check_model``)
 
 
 def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
@@ -260,6 +265,7 @@ def _split_holdout(images: torch.Tensor, holdout: Union[None, int, torch.Tensor]
     return images, n - int(holdout)
 
 
+@all_or_nothing
 def reparametrize_layers(
         model: nn.Module,
         key_dim: KeyDimSpec = None,
@@ -282,6 +288,9 @@ def reparametrize_layers(
         whiten: bool = True,
 ) -> ConversionReport:
     """Swap every timm ``Attention`` of ``model`` in place; return one ``LayerReport`` per layer.
+
+    Checked first (``support.check_model``): a model with an attention layer that cannot be converted (qk_norm,
+    rope, ...) is refused with one line before any work; one that fails half way is put back as it was.
 
     Args:
         key_dim: int for every layer, a list (one per layer), an energy threshold in (0, 1], or None (exact).
@@ -365,7 +374,6 @@ def reparametrize_layers(
             if held[index] is not None:
                 report.refined_output_error = _output_error(fits[index][0].layer, layers[index][1], held[index])
     model.train(was_training)
-    exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
     return ConversionReport(reports, summary)
 
 
@@ -386,7 +394,6 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
         _swap(model, name, fitted.layer)
         from_ = "weight spectrum" if isinstance(key_dim, float) else "given"
         reports.append(LayerReport(name, rank, fitted.tensor_error, output_error, seconds, key_dim_from=from_))
-    exclude_mixing_from_decay(model)  # timm's create_optimizer_v2 keeps the mixing matrices out of decay
     return ConversionReport(reports)
 
 
