@@ -142,16 +142,22 @@ def test_no_attention_raises():
     with pytest.raises(ValueError, match="Linear"):
         timm_attention_layers(nn.Linear(4, 4))
     collab = timm.create_model("collab_deit_tiny_patch16_224", img_size=32, patch_size=8, depth=1)
-    with pytest.raises(ValueError, match="VisionTransformer"):
+    with pytest.raises(ValueError, match="already collaborative"):
         analysis.layer_spectra(collab)
 
 
-def test_subclass_of_attention_is_skipped():
+def test_subclass_of_attention_keeping_its_forward_is_read_one_with_its_own_refused():
     class Custom(timm.layers.Attention):
         pass
 
+    class OwnForward(timm.layers.Attention):
+        def forward(self, x, attn_mask=None):
+            return super().forward(x, attn_mask) * 2
+
     model = nn.Sequential(Custom(D, NH), timm.layers.Attention(D, NH))
-    assert [name for name, _ in timm_attention_layers(model)] == ["1"]
+    assert [name for name, _ in timm_attention_layers(model)] == ["0", "1"]
+    with pytest.raises(ValueError, match="its own forward"):
+        timm_attention_layers(nn.Sequential(OwnForward(D, NH), timm.layers.Attention(D, NH)))
 
 
 def test_format_spectrum_table():
