@@ -155,6 +155,15 @@ class PreviousCore:
         return sdpa_recomputing(q, mixing, k, v, scale, mask, False, 0.)
 
 
+def forced_ms(module, heuristic: str, fn: Callable[[], object], repeats: int) -> dict[bool, float]:
+    """Median ms of ``fn`` without gradients with ``module.heuristic`` forced to True and to False."""
+    times = {}
+    for choice in (True, False):
+        with mock.patch.object(module, heuristic, lambda *_, c=choice: c), torch.no_grad():
+            times[choice] = median_ms(fn, repeats)
+    return times
+
+
 def flash_choice_rows(repeats: int) -> list[str]:
     """``flash_pays``: the core's forward with CPU flash (padded) forced on vs off, per key dim."""
     torch.manual_seed(0)
@@ -162,10 +171,8 @@ def flash_choice_rows(repeats: int) -> list[str]:
     for key_dim in (64, 128, 192, 256, 384, 768):
         q, k = torch.randn(B, N, key_dim), torch.randn(B, N, key_dim)
         mixing, mask, v = torch.randn(H, key_dim), torch.randn(B, H, 1, N), torch.randn(B, H, N, D)
-        times = {}
-        for flash in (True, False):
-            with mock.patch.object(attention_core, "flash_pays", lambda *_, f=flash: f), torch.no_grad():
-                times[flash] = median_ms(lambda: CollaborativeCore.apply(q, mixing, k, v, mask, 0.125), repeats)
+        times = forced_ms(attention_core, "flash_pays",
+                          lambda: CollaborativeCore.apply(q, mixing, k, v, mask, 0.125), repeats)
         rows.append(f"| {key_dim} | {times[True]:.1f} | {times[False]:.1f} | "
                     f"{'flash' if attention_core.flash_pays(key_dim, D) else 'grouped bmm'} |")
     return rows
@@ -177,10 +184,8 @@ def pad_choice_rows(repeats: int) -> list[str]:
     rows = []
     for qk in (8, 16, 32, 64, 128, 256):
         q, k, v = torch.randn(B, H, N, qk), torch.randn(B, H, N, qk), torch.randn(B, H, N, D)
-        times = {}
-        for pad in (True, False):
-            with mock.patch.object(attention, "pad_pays", lambda *_, p=pad: p), torch.no_grad():
-                times[pad] = median_ms(lambda: attention.fused_attend(q, k, v, qk ** -0.5, None, False, 0.), repeats)
+        times = forced_ms(attention, "pad_pays",
+                          lambda: attention.fused_attend(q, k, v, qk ** -0.5, None, False, 0.), repeats)
         rows.append(f"| {qk} | {times[True]:.1f} | {times[False]:.1f} | "
                     f"{'padded flash' if attention_core.pad_pays(qk, D) else 'explicit'} |")
     return rows

@@ -57,6 +57,11 @@ def assert_all_within(got: list[torch.Tensor], ref: list[torch.Tensor], k: float
         assert_within(a, b, k, dtype, what=f"result {i}")
 
 
+def float64_kwargs(kwargs: dict) -> dict:
+    """A layer call's keyword arguments with every floating-point tensor (an additive mask) in float64."""
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+
+
 def attention_chain(dim: int, key_dim: int, tokens: int, batch: int | None = None) -> int:
     """Reduction lengths of one attention layer: the input projections (``dim``), the logits (``key_dim``), the
     softmax's row sum and weights x values (``tokens``), the output projection (``dim``). With ``batch`` the

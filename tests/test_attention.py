@@ -9,15 +9,14 @@ import torch.nn.functional as F
 from timm.layers import Attention
 
 from collab_vit import CollaborativeAttention, ConcatAttention, attention_class
-from numerics import assert_within, attention_chain, max_error
+from numerics import assert_within, attention_chain, float64_kwargs, max_error
 
 DIM, HEADS, TOKENS = 48, 3, 11
 
 
 def float64_call(layer: torch.nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
     """The same layer, weights and inputs in float64: the reference a float32 result is checked against."""
-    kwargs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
-    return copy.deepcopy(layer).double()(x.double(), **kwargs)
+    return copy.deepcopy(layer).double()(x.double(), **float64_kwargs(kwargs))
 
 
 def random_timm_attention(dim: int = DIM, heads: int = HEADS, qkv_bias: bool = True) -> Attention:

@@ -16,7 +16,7 @@ from collab_vit.layers.attention_core import CollaborativeCore, batch_chunks
 from collab_vit.layers.dispatch import Path
 from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys
 from measure import saved_activation_bytes
-from numerics import assert_all_within, assert_within, attention_chain
+from numerics import assert_all_within, assert_within, attention_chain, float64_kwargs
 
 DIM, HEADS, TOKENS = 48, 3, 9  # head dim 16
 BATCH = 2
@@ -33,10 +33,6 @@ def outputs_and_grads(layer: torch.nn.Module, x: torch.Tensor, fused: bool, **kw
     (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
     mask_grad = [mask.grad] if mask is not None and mask.is_floating_point() else []
     return [out.detach(), x.grad] + mask_grad + [p.grad for p in layer.parameters()]
-
-
-def float64_kwargs(kwargs: dict) -> dict:
-    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
 
 
 def reference(layer: torch.nn.Module, x: torch.Tensor, **kwargs) -> list[torch.Tensor]:

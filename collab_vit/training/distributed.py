@@ -78,6 +78,15 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one all-reduce and host read when distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        values = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return bool(values.item())
+    return flag
+
+
 def all_gather_rows(values: torch.Tensor) -> list:
     """Every rank's 1-D ``values`` as Python lists, in rank order (one row on a single process)."""
     if dist.is_available() and dist.is_initialized():

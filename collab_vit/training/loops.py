@@ -30,7 +30,7 @@ from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .distributed import DistInfo, all_gather_rows, all_reduce_sum
+from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
 from .preemption import StopRequest
 
 
@@ -41,12 +41,7 @@ class NonFiniteLossError(RuntimeError):
 def _nonfinite_on_any_rank(loss: torch.Tensor, device: torch.device) -> bool:
     """True on every rank when the loss of any rank is NaN/inf (a host read and, distributed, an all-reduce: only
     ``skip_nonfinite_loss`` uses it, per batch)."""
-    bad = not math.isfinite(loss.item())
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        flag = torch.tensor([1.0 if bad else 0.0], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        bad = bool(flag.item())
-    return bad
+    return any_rank(not math.isfinite(loss.item()), device)
 
 
 def autocast_context(device: torch.device, amp: bool, amp_dtype: str) -> Callable[[], Any]:

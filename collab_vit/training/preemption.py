@@ -26,9 +26,9 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Sized
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .checkpoint import set_rng_state
+from .distributed import any_rank
 
 STOP_FILE = 'STOP'
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -75,11 +75,7 @@ class StopRequest:
 
     def should_stop(self, device: torch.device) -> bool:
         """True on every rank when any rank has a reason to stop (one all-reduce when distributed)."""
-        wanted = self.requested()
-        if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([1.0 if wanted else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            wanted = bool(flag.item())
+        wanted = any_rank(self.requested(), device)
         if wanted:
             self.agree(self.pending is not None)
         return wanted
