@@ -40,11 +40,13 @@ def main() -> None:
     start = time.perf_counter()
     reports = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, progress=False)
     rows.append(("weight-only", time.perf_counter() - start, sum(r.seconds for r in reports), 0.0, 0))
-    for capture in ("source", "sequential"):
+    for capture, amp in (("source", False), ("sequential", False), ("source", True), ("sequential", True)):
         start = time.perf_counter()
         reports = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, calibration=images,
-                                                  capture=capture, batch_size=args.batch_size, progress=False)
-        rows.append((f"data-aware, {capture} tokens", time.perf_counter() - start, sum(r.seconds for r in reports),
+                                                  capture=capture, batch_size=args.batch_size, amp=amp,
+                                                  progress=False)
+        rows.append((f"data-aware, {capture} tokens" + (", bf16 capture (`amp=True`)" if amp else ""),
+                     time.perf_counter() - start, sum(r.seconds for r in reports),
                      reports.summary["capture_seconds"], reports.summary["peak_token_bytes"]))
     refine = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, calibration=images,
                                              refine_steps=args.refine_steps, batch_size=args.batch_size,

@@ -146,7 +146,8 @@ def _convert(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {args.device}: no CUDA device is available")
     calibration = _calibration(args)
     extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
-                                                 refine_steps=args.refine_steps, refine_lr=args.refine_lr)
+                                                 refine_steps=args.refine_steps, refine_lr=args.refine_lr,
+                                                 refine_loss=args.refine_loss, amp=args.calibration_amp)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
                               device=args.device, max_iter=args.max_iter, tol=args.tol,
@@ -210,11 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-iter", type=int, default=100)
     convert.add_argument("--tol", type=float, default=1e-6)
     data = add_calibration_flags(convert, "data-aware conversion")
+    data.add_argument("--calibration-amp", action="store_true",
+                      help="bfloat16 autocast for the forward passes that capture the tokens (moments still summed "
+                      "in float64; on a CPU with AVX512-BF16 or a GPU, several times faster)")
     data.add_argument("--calibration-capture", choices=["source", "sequential"], default="source",
                       help="tokens of the source model, or of the partially converted one layer after layer")
     data.add_argument("--refine-steps", type=int, default=0,
-                      help="Adam steps matching the source's logits on the calibration images (default: 0)")
+                      help="Adam steps matching the source on the calibration images, per layer for the layer-wise "
+                      "losses (default: 0)")
     data.add_argument("--refine-lr", type=float, default=1e-3)
+    data.add_argument("--refine-loss", choices=["model-kl", "attention-kl", "logit-mse"], default="model-kl",
+                      help="model-kl: the model's output logits (all layers at once); attention-kl / logit-mse: "
+                      "layer by layer, each head's attention probabilities / row-centred logits (default: model-kl)")
     data.add_argument("--device", default="cpu", help="where the forward passes and the refinement run, e.g. cuda "
                       "(the decompositions run on the CPU; default: cpu)")
     convert.set_defaults(run=_convert)

@@ -5,7 +5,10 @@
 Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fashion-MNIST test images:
 
 * ``weight``: today's weight-only Tucker conversion; ``weight+refine``: the same, then the label-free refinement.
-* ``data``: the data-aware closed form (whitened Tucker, ``capture='source'``), ``data-seq``: sequential capture;
+* ``data+attn-kl`` / ``data+logit-mse``: the closed form, each layer then refined on its own right after its fit
+  (``--refine-steps`` per layer): every head's attention probabilities (KL) / the exact within-image logit objective.
+* ``data``: the data-aware closed form (whitened Tucker, ``capture='source'``), ``data-seq``: sequential capture,
+  ``data-amp``: the tokens captured under bfloat16 autocast (``amp=True``);
   ``data+refine``: closed form then ``--refine-steps`` Adam steps on ``W~q, W~k, M`` (KL to the source's logits).
 * ``cut`` / ``cut-white``: the baseline a user would otherwise pick at the same q/k budget, the standard layer cut
   to K / heads dims per head by each head's truncated SVD of ``T_i`` (weight-only / of the whitened ``T_i``), with
@@ -36,6 +39,7 @@ from collab_vit.conversion.reparam import (_output_error, compressed_from_attent
                                            reparametrize_layers, timm_attention_layers)
 
 HELD_OUT = 64
+REFINES = {"+refine": "model-kl", "+attn-kl": "attention-kl", "+logit-mse": "logit-mse"}  # variant suffix: loss
 
 
 def test_set(data_dir: str, model: torch.nn.Module, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +118,8 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
         return json.loads(path.read_text())
     model = copy.deepcopy(source)
     start = time.perf_counter()
-    refine = args.refine_steps if variant.endswith("+refine") else 0
+    loss = next((loss for suffix, loss in REFINES.items() if variant.endswith(suffix)), None)
+    refine = args.refine_steps if loss else 0
     summary: dict = {}
     if variant.startswith("cut"):
         layers = cut_baseline(model, key_dim, pool[:n] if variant == "cut-white" else None, held, args.ridge)
@@ -125,7 +130,8 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
         capture = "sequential" if variant.startswith("data-seq") else "source"
         reports = reparametrize_layers(model, key_dim, "tucker", calibration=pool[:n], holdout=held, capture=capture,
                                        ridge=args.ridge, refine_steps=refine, refine_lr=args.refine_lr,
-                                       progress=False, whiten=variant.startswith("data"))
+                                       refine_loss=loss or "model-kl", amp=variant.endswith("-amp"), progress=False,
+                                       whiten=variant.startswith("data"))
         layers, summary = [r.as_dict() for r in reports], reports.summary
     seconds = time.perf_counter() - start
     row = {"name": name, "variant": variant, "key_dim": key_dim, "images": 0 if variant in ("weight", "cut") else n,
@@ -157,7 +163,8 @@ def table(rows: list[dict], top1_source: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLUMN_ORDER = ["weight", "data", "data-seq", "data+refine", "weight+refine", "cut", "cut-white"]
+COLUMN_ORDER = ["weight", "data", "data-seq", "data-amp", "data+refine", "weight+refine", "data+attn-kl",
+                "data+logit-mse", "cut", "cut-white"]
 
 
 def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> str:
@@ -185,12 +192,14 @@ def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> st
 
     lines = [f"Top-1 change vs the source ({top1_source:.2f}), {images} calibration images:", "",
              "| key dim | dims per layer weight / data | weight-only | data-aware | data-aware + refine | "
-             "weight-only + refine | data-aware, sequential | cut | cut, whitened | attn-output error weight / data | "
-             "logit error weight / data |", "|---|---|" + "---:|" * 9]
+             "weight-only + refine | data-aware + layer-wise attention KL | data-aware + layer-wise logit MSE | "
+             "data-aware, sequential | cut | cut, whitened | attn-output error weight / data | "
+             "logit error weight / data |", "|---|---|" + "---:|" * 11]
     for k in keys:
         lines.append(f"| {k} | {dims('weight', 0, k)} / {dims('data', images, k)} | {cell('weight', 0, k)} | "
                      f"{cell('data', images, k)} | {cell('data+refine', images, k)} | "
-                     f"{cell('weight+refine', images, k)} | {cell('data-seq', images, k)} | {cell('cut', 0, k)} | "
+                     f"{cell('weight+refine', images, k)} | {cell('data+attn-kl', images, k)} | "
+                     f"{cell('data+logit-mse', images, k)} | {cell('data-seq', images, k)} | {cell('cut', 0, k)} | "
                      f"{cell('cut-white', images, k)} | {errors(k, 'output_error')} | "
                      f"{errors(k, 'within_image_logit_error')} |")
     counts = sorted({n for _, n, _ in found if n})
@@ -236,8 +245,9 @@ def main() -> None:
     p.add_argument("--data-dir", default="data")
     p.add_argument("--results", type=Path, default=ROOT / "results" / "data_aware")
     p.add_argument("--key-dims", nargs="+", default=["32", "16", "8", "4"])
-    p.add_argument("--variants", nargs="+", default=["weight", "data", "data+refine", "weight+refine", "data-seq",
-                                                     "cut", "cut-white"])
+    p.add_argument("--variants", nargs="+", choices=COLUMN_ORDER,
+                   default=["weight", "data", "data+refine", "weight+refine", "data+attn-kl", "data+logit-mse",
+                            "data-seq", "data-amp", "cut", "cut-white"])
     p.add_argument("--images", nargs="+", type=int, default=[256], help="calibration image counts")
     p.add_argument("--refine-steps", type=int, default=300)
     p.add_argument("--refine-lr", type=float, default=1e-3)

@@ -31,7 +31,7 @@ def test_help_lists_the_calibration_flags() -> None:
     convert = build_parser()._subparsers._group_actions[0].choices["convert"]
     text = convert.format_help()
     for flag in ("--calibration-dataset", "--calibration-data-dir", "--calibration-split", "--calibration-images",
-                 "--calibration-capture", "--refine-steps", "--ridge"):
+                 "--calibration-capture", "--refine-steps", "--refine-loss", "--ridge"):
         assert flag in text
 
 
@@ -45,6 +45,21 @@ def test_convert_with_calibration_images(tmp_path) -> None:
     assert sidecar["calibration"]["refine"]["steps"] == 2
     assert all(layer["error_tokens"] == "1 held-out calibration images" and layer["whitened_error"] > 0
                for layer in sidecar["layers"])
+
+
+def test_convert_with_a_layerwise_refinement(tmp_path, capsys) -> None:
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
+    out = tmp_path / "k6.safetensors"
+    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
+                     "--calibration-data-dir", data, "--calibration-images", "10", "--refine-steps", "3",
+                     "--refine-loss", "logit-mse"]) == 0
+    refine = json.loads(out.with_suffix(".json").read_text())["calibration"]["refine"]
+    assert refine["loss"] == "logit-mse" and refine["per_layer"] and len(refine["loss_after"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(tmp_path / "x.st"),
+                  "--refine-loss", "kl"])
+    assert exit_info.value.code == 2 and "invalid choice: 'kl'" in capsys.readouterr().err
+    assert not (tmp_path / "x.st").exists()
 
 
 @pytest.mark.parametrize("case, message", [

@@ -5,7 +5,8 @@ attention, i.e. the output of ``block.norm1`` in a ViT); the moments of the fitt
 batch (nothing but D x D sums is kept) and only the held-out images' tokens are stored.
 
 ``sequential`` (as GPTQ does): layer j is fitted on the tokens the *partially converted* model produces, i.e. with
-layers ``0 .. j-1`` already replaced. One tensor of block inputs for the calibration set is pushed block by block
+layers ``0 .. j-1`` already replaced (``block_tokens``; with ``sequential=False`` the same pass carries the source's
+tokens, for a layer-wise refinement that needs every fitting token of a layer rather than its moments). One tensor of block inputs for the calibration set is pushed block by block
 (``block.norm1`` of it feeds layer j's moments, then the converted block makes the next one), so memory holds two
 layers' tokens for the calibration set at most. Needs a ViT-like ``model.blocks`` with ``norm1`` and ``attn``.
 """
@@ -25,6 +26,11 @@ CAPTURES = ("source", "sequential")
 
 def _bytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _kept(t: Tensor) -> Tensor:
+    """Tokens as held: on the CPU, at least float32 (bfloat16 under ``amp`` autocast)."""
+    return t.to("cpu", torch.promote_types(t.dtype, torch.float32))
 
 
 @torch.no_grad()
@@ -52,7 +58,7 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
             if cut:
                 moments[index].update(x[:cut])
             if cut < x.shape[0]:
-                held[index].append(x[cut:].cpu())
+                held[index].append(_kept(x[cut:]))
         return record
 
     handles = [attn.register_forward_pre_hook(hook(i)) for i, (_, attn) in enumerate(layers)]
@@ -91,7 +97,7 @@ def block_inputs(model: nn.Module, images: Tensor, batch_size: int) -> Tensor:
                 pass
     finally:
         handle.remove()
-    return torch.cat(seen)
+    return torch.cat(seen).to(torch.promote_types(seen[0].dtype, torch.float32))
 
 
 def check_sequential(model: nn.Module, layers: list[tuple[str, Attention]]) -> None:
@@ -104,13 +110,26 @@ def check_sequential(model: nn.Module, layers: list[tuple[str, Attention]]) -> N
 
 
 @torch.no_grad()
-def sequential_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: Tensor, fit: int,
-                      batch_size: int, convert: Callable[[int, TokenMoments], None]) -> tuple[list[Tensor], int]:
-    """Fit the layers one after the other on the partially converted model's tokens (``convert(j, moments)``
-    replaces ``model.blocks[j].attn``); returns the held-out tokens per layer and the peak bytes of tokens held."""
+def block_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: Tensor, fit: int, batch_size: int,
+                 convert: Callable[[int, TokenMoments, Tensor], None], sequential: bool = True
+                 ) -> tuple[list[Tensor], int]:
+    """Fit the layers one after the other, pushing the block inputs of the calibration images block by block.
+
+    ``convert(j, moments, inputs)`` replaces ``model.blocks[j].attn`` (``inputs``: block j's inputs for the fitting
+    images, for a layer-wise refinement). ``sequential``: the next block's inputs come from the converted block (the
+    partially converted model's tokens); otherwise from the source block, computed before the swap (the source's
+    tokens, as ``source_tokens``, but held). Returns the held-out tokens per layer and the peak bytes of tokens held.
+    """
     check_sequential(model, layers)
     hidden = block_inputs(model, images, batch_size)
     held, peak = [], _bytes(hidden)
+
+    def push(block: nn.Module) -> Tensor:
+        following = torch.empty_like(hidden)
+        for offset in range(0, hidden.shape[0], batch_size):
+            following[offset:offset + batch_size] = block(hidden[offset:offset + batch_size])
+        return following
+
     for index, block in enumerate(model.blocks):
         moments = TokenMoments(layers[index][1].qkv.in_features)
         parts = []
@@ -120,13 +139,14 @@ def sequential_tokens(model: nn.Module, layers: list[tuple[str, Attention]], ima
             if cut:
                 moments.update(x[:cut])
             if cut < x.shape[0]:
-                parts.append(x[cut:].cpu())
+                parts.append(_kept(x[cut:]))
         held.append(torch.cat(parts) if parts else None)
-        convert(index, moments)
-        if index + 1 < len(model.blocks):
-            following = torch.empty_like(hidden)
-            for offset in range(0, hidden.shape[0], batch_size):
-                following[offset:offset + batch_size] = block(hidden[offset:offset + batch_size])
+        last = index + 1 == len(model.blocks)
+        following = None if sequential or last else push(block)
+        convert(index, moments, hidden[:fit])
+        if not last:
+            following = push(block) if sequential else following
             peak = max(peak, 2 * _bytes(hidden) + sum(_bytes(t) for t in held if t is not None))
             hidden = following
     return held, peak
+

@@ -8,6 +8,7 @@ With calibration images the decomposition is of the forms whitened by the tokens
 """
 from __future__ import annotations
 
+import copy
 import numbers
 import time
 from contextlib import contextmanager
@@ -22,10 +23,10 @@ from tqdm import tqdm
 from ..layers.attention import CollaborativeAttention, check_key_dim
 from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, whitened_decomposition,
                           whitened_rank, whitening)
-from .capture import CAPTURES, model_outputs, sequential_tokens, source_tokens
+from .capture import CAPTURES, block_tokens, check_sequential, model_outputs, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
-from .refine import check_steps, refine_logits
+from .refine import RefineResult, check_loss, check_steps, refine_layer, refine_logits
 from .forms import keeps_form
 from .support import all_or_nothing, attention_forms, attention_reason
 
@@ -284,7 +285,9 @@ def reparametrize_layers(
         ridge: float = DEFAULT_RIDGE,
         refine_steps: int = 0,
         refine_lr: float = 1e-3,
+        refine_loss: str = "model-kl",
         batch_size: int = 64,
+        amp: bool = False,
         whiten: bool = True,
 ) -> ConversionReport:
     """Swap every timm ``Attention`` of ``model`` in place; return one ``LayerReport`` per layer.
@@ -309,7 +312,13 @@ def reparametrize_layers(
         ridge: relative ridge of the token moments (``calibration.DEFAULT_RIDGE``).
         refine_steps, refine_lr: Adam steps (and their lr) of the label-free refinement of ``W~q, W~k, M`` towards
             the source model's logits on the fitting images (``refine.py``; seeded by ``seed``); 0: none.
+        refine_loss: ``"model-kl"`` (the model's output logits, all layers at once), or layer by layer right after
+            each fit, ``refine_steps`` per layer on that layer's tokens: ``"attention-kl"`` (every head's attention
+            probabilities) or ``"logit-mse"`` (the exact within-image logit objective). The layer-wise losses need
+            timm ``Attention`` layers in a ViT-like ``model.blocks``.
         batch_size: images per forward pass of the calibration stage.
+        amp: bfloat16 autocast for the token capture's forward passes (the moments are still summed in float64;
+            held-out tokens kept in float32; the fits, the refinement and its targets run unchanged).
         whiten: fit the whitened forms (data-aware); False: the weight-only fit, the calibration images then serve
             the refinement and the held-out output error only.
     """
@@ -324,52 +333,80 @@ def reparametrize_layers(
     if capture not in CAPTURES:
         raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
     check_steps(refine_steps)
+    layerwise = bool(refine_steps) and check_loss(refine_loss) != "model-kl"
+    if layerwise:
+        check_sequential(model, layers)
+        for name, attn in layers:
+            if not (isinstance(attn, Attention) and type(attn).forward is Attention.forward):
+                raise ValueError(f"refine_loss={refine_loss!r} needs timm Attention layers (timm's forward: no "
+                                 f"relative position bias); {name} is {type(attn).__name__} (use refine_loss="
+                                 "'model-kl')")
     specs = _layer_specs(key_dim, layers)
     size = probe_input_size(model)
     images, fit = _split_holdout(calibration_images(calibration, size, max_images, batch_size), holdout, size)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
-    targets = model_outputs(model, images[:fit], batch_size) if refine_steps else None
+    device_type = next(model.parameters()).device.type
+    autocast = lambda on=amp: torch.autocast(device_type, torch.bfloat16, enabled=bool(on))  # noqa: E731
+    targets = model_outputs(model, images[:fit], batch_size) if refine_steps and not layerwise else None
     fits: dict[int, tuple[LayerFit, float]] = {}
+    refined: dict[int, RefineResult] = {}
+    closed: dict[int, nn.Module] = {}
     bar = tqdm(total=len(layers), desc=f"data-aware {method} ({capture} tokens)", disable=not progress)
 
-    def convert(index: int, moments: TokenMoments) -> None:
+    @autocast(False)
+    def convert(index: int, moments: TokenMoments, inputs: Optional[torch.Tensor] = None) -> None:
         name, attn = layers[index]
         began = time.perf_counter()
         fitted = fit_attention(attn, specs[index], method, moments if whiten else None, ridge, **options)
         fits[index] = fitted, time.perf_counter() - began
+        if layerwise:  # the closed form's copy, for the report's output error before the refinement
+            closed[index] = copy.deepcopy(fitted.layer)
+            with torch.enable_grad():
+                refined[index] = refine_layer(fitted.layer, attn, inputs, model.blocks[index].norm1, refine_steps,
+                                              refine_loss, refine_lr, batch_size, seed, progress, name)
         _swap(model, name, fitted.layer.eval())
         bar.update()
 
     try:
-        if capture == "source":
-            moments, held, peak = source_tokens(model, layers, images, fit, batch_size)
+        if capture == "source" and not layerwise:
+            with autocast():
+                moments, held, peak = source_tokens(model, layers, images, fit, batch_size)
             for index, layer_moments in enumerate(moments):
                 convert(index, layer_moments)
         else:
-            held, peak = sequential_tokens(model, layers, images, fit, batch_size, convert)
+            with autocast():
+                held, peak = block_tokens(model, layers, images, fit, batch_size, convert, capture == "sequential")
     finally:
         bar.close()
-    captured = time.perf_counter() - start - sum(seconds for _, seconds in fits.values())
+    captured = (time.perf_counter() - start - sum(seconds for _, seconds in fits.values())
+                - sum(r.seconds for r in refined.values()))
     where = (f"{images.shape[0] - fit} held-out calibration images" if fit < images.shape[0]
              else f"the {fit} fitting images (none held out)")
     reports = []
     for index, (name, attn) in enumerate(layers):
         fitted, seconds = fits[index]
         tokens = held[index] if held[index] is not None else None
-        error = _output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
+        error = _output_error(closed.get(index, fitted.layer), attn, tokens) if tokens is not None else float("nan")
         reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, seconds, fitted.whitened_error,
                                    where, fitted.key_dim_from))
-    summary = {"capture": capture, "images_fit": fit, "images_held_out": images.shape[0] - fit, "ridge": ridge,
+    summary = {"capture": capture, "amp": amp, "images_fit": fit, "images_held_out": images.shape[0] - fit, "ridge": ridge,
                "peak_token_bytes": peak, "capture_seconds": captured}
-    if refine_steps:
+    if layerwise:
+        results = [refined[i] for i in range(len(layers))]
+        summary["refine"] = {"loss": refine_loss, "steps": refine_steps, "per_layer": True, "lr": refine_lr,
+                             "seconds": sum(r.seconds for r in results),
+                             "loss_before": [r.kl_before for r in results], "loss_after": [r.kl_after for r in results],
+                             "kept_start": [r.kept_start for r in results]}
+    elif refine_steps:
         result = refine_logits(model, [fits[i][0].layer for i in range(len(layers))], images[:fit], targets,
                                refine_steps, refine_lr, batch_size, seed, progress)
-        summary["refine"] = {"steps": result.steps, "seconds": result.seconds, "lr": refine_lr,
+        summary["refine"] = {"loss": refine_loss, "steps": result.steps, "seconds": result.seconds, "lr": refine_lr,
                              "first_loss": result.first_loss, "last_loss": result.last_loss,
                              "kl_before": result.kl_before, "kl_after": result.kl_after,
                              "kept_start": result.kept_start}
+    if refine_steps:
         for index, report in enumerate(reports):
             if held[index] is not None:
                 report.refined_output_error = _output_error(fits[index][0].layer, layers[index][1], held[index])
