@@ -79,9 +79,11 @@ def test_repeated_stops_continue_to_the_end(tiny_data, tmp_path, monkeypatch):
 
 def test_stop_file_is_agreed_and_removed(tmp_path):
     request = StopRequest(str(tmp_path), is_main=True, signals=())
-    assert not request.should_stop(torch.device('cpu'))
+    assert not request.requested()
     (tmp_path / STOP_FILE).touch()
-    assert request.reason() == STOP_FILE and request.should_stop(torch.device('cpu'))
+    assert request.reason() == STOP_FILE and request.requested()
+    request.agree(True)  # what the training loop does after its all-reduce
+    assert request.decided == STOP_FILE and request.pending is None
     request.acknowledge()
     assert not (tmp_path / STOP_FILE).exists() and request.reason() is None
     (tmp_path / STOP_FILE).touch()

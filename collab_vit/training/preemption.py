@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from .checkpoint import set_rng_state
-from .distributed import any_rank
 
 STOP_FILE = 'STOP'
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -72,13 +71,6 @@ class StopRequest:
         """Record that the ranks agreed to stop (``wanted_here``: this rank had a reason itself)."""
         self.decided = (self.pending if wanted_here else None) or 'another rank'
         self.pending = None
-
-    def should_stop(self, device: torch.device) -> bool:
-        """True on every rank when any rank has a reason to stop (one all-reduce when distributed)."""
-        wanted = any_rank(self.requested(), device)
-        if wanted:
-            self.agree(self.pending is not None)
-        return wanted
 
     def acknowledge(self) -> bool:
         """Remove the stop file (rank 0) once it is answered, or a stale one at start; True when there was one."""
