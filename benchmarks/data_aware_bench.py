@@ -21,13 +21,19 @@ import torch
 import collab_vit
 
 
+ROWS = {"source": ("source", False), "sequential": ("sequential", False), "source-amp": ("source", True),
+        "sequential-amp": ("sequential", True)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deit_base_patch16_224")
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--key-dim", type=int, default=384)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--refine-steps", type=int, default=3, help="steps timed for the refinement's cost per step")
+    p.add_argument("--refine-steps", type=int, default=3, help="steps timed for the refinement's cost per step "
+                   "(0: not timed)")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="conversions timed (default: all)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0: torch's)")
     args = p.parse_args()
     if args.threads:
@@ -40,7 +46,7 @@ def main() -> None:
     start = time.perf_counter()
     reports = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, progress=False)
     rows.append(("weight-only", time.perf_counter() - start, sum(r.seconds for r in reports), 0.0, 0))
-    for capture, amp in (("source", False), ("sequential", False), ("source", True), ("sequential", True)):
+    for capture, amp in (ROWS[row] for row in ROWS if row in args.rows):
         start = time.perf_counter()
         reports = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, calibration=images,
                                                   capture=capture, batch_size=args.batch_size, amp=amp,
@@ -50,7 +56,7 @@ def main() -> None:
                      reports.summary["capture_seconds"], reports.summary["peak_token_bytes"]))
     refine = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, calibration=images,
                                              refine_steps=args.refine_steps, batch_size=args.batch_size,
-                                             progress=False).summary["refine"]
+                                             progress=False).summary["refine"] if args.refine_steps else None
 
     print(f"{args.model}, key dim {args.key_dim}, {args.images} calibration images, batch {args.batch_size}; "
           f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
@@ -58,8 +64,9 @@ def main() -> None:
           "peak calibration tokens held (MB) |\n|---|---:|---:|---:|---:|")
     for name, wall, fits, capture, peak in rows:
         print(f"| {name} | {wall:.1f} | {fits:.1f} | {capture:.1f} | {peak / 2**20:.1f} |")
-    print(f"\nrefinement: {refine['seconds'] / max(refine['steps'], 1):.2f} s per step (batch {args.batch_size}, "
-          f"{refine['steps']} steps)")
+    if refine:
+        print(f"\nrefinement: {refine['seconds'] / max(refine['steps'], 1):.2f} s per step (batch {args.batch_size}, "
+              f"{refine['steps']} steps)")
 
 
 if __name__ == "__main__":

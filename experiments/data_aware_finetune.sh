@@ -3,13 +3,14 @@
 # 300 refinement steps; 256 training images), eval.py right after, then the 1-epoch fine-tune of
 # configs/fmnist/finetune.yaml; control: the source fine-tuned the same way. ~10 min on 2 busy cores.
 #   DATA=data PYTHON=.venv/bin/python bash experiments/data_aware_finetune.sh
+#   SRC=runs/experiments/data_aware_e15/model.safetensors bash experiments/data_aware_finetune.sh   # another source
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 py=${PYTHON:-python}
 data=${DATA:-data}
-src=runs/experiments/data_aware/model.safetensors
-out=runs/experiments/data_aware/finetune
+src=${SRC:-runs/experiments/data_aware/model.safetensors}
+out=$(dirname "$src")/finetune
 mkdir -p "$out"
 cal=(--calibration-dataset torch/fashion_mnist --calibration-data-dir "$data" --calibration-images 256)
 arch=(patch_size=4 embed_dim=64 depth=4 num_heads=4 img_size=28 in_chans=1)

@@ -33,3 +33,23 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
     assert layerwise['loss'] == 'attention-kl' and layerwise['per_layer'] and len(layerwise['loss_after']) == 1
     assert (results / 'table.md').read_text().count('| 4 |') == len(names) + 2  # the cells, then two summary rows
     assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
+
+
+def test_class_token_diagnostic(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    """experiments/data_aware_class_token.py: per-layer class-token / patch errors and the weighting probe; the
+    probe's TokenMoments patch is undone (a later conversion in the same process is unweighted)."""
+    kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=1, embed_dim=16, num_heads=2, num_classes=10)
+    torch.manual_seed(0)
+    source = tmp_path / 'source.safetensors'
+    export_safetensors(timm.create_model('deit_tiny_patch16_224', **kwargs).state_dict(), str(source),
+                       'deit_tiny_patch16_224', kwargs,
+                       {'data_config': {'input_size': [1, 28, 28], 'mean': [0.286], 'std': [0.353], 'crop_pct': 1.0,
+                                        'interpolation': 'bicubic', 'crop_mode': 'center'}})
+    out = tmp_path / 'class_token.json'
+    run('data_aware_class_token.py', '--source', source, '--data-dir', tiny_fashion_mnist, '--out', out,
+        '--weights', '1', '10')
+    result = json.loads(out.read_text())
+    assert [r['layer'] for r in result['errors_key_dim_4']['data']] == ['blocks.0.attn']
+    assert all(r['class_token'] > 0 and r['patches'] > 0 for v in ('weight', 'data')
+               for r in result['errors_key_dim_4'][v])
+    assert [(r['class_weight'], r['key_dim']) for r in result['class_weight_probe']] == [(1, 8), (1, 4), (10, 8), (10, 4)]
