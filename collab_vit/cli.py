@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import timm
 import torch
@@ -122,6 +122,18 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
     return data
 
 
+def _prefix_weight(text: str) -> Union[float, str]:
+    if text == "balanced":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'balanced', got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'balanced', got {text!r}")
+    return value
+
+
 def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module, dict], Any]]:
     """What ``convert_to_file`` calls with the source model and its metadata to get the calibration images."""
     if not args.calibration_data_dir:
@@ -147,7 +159,8 @@ def _convert(args: argparse.Namespace) -> None:
     calibration = _calibration(args)
     extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
                                                  refine_steps=args.refine_steps, refine_lr=args.refine_lr,
-                                                 refine_loss=args.refine_loss, amp=args.calibration_amp)
+                                                 refine_loss=args.refine_loss, amp=args.calibration_amp,
+                                                 prefix_weight=args.calibration_prefix_weight)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
                               device=args.device, max_iter=args.max_iter, tol=args.tol,
@@ -214,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--calibration-amp", action="store_true",
                       help="bfloat16 autocast for the forward passes that capture the tokens (moments still summed "
                       "in float64; on a CPU with AVX512-BF16 or a GPU, several times faster)")
+    data.add_argument("--calibration-prefix-weight", type=_prefix_weight, default=1.0, metavar="W",
+                      help="times the class token's (and registers') queries count in the query moment, or "
+                      "'balanced' (as much as all patch tokens); the head reads the class token (default: 1)")
     data.add_argument("--calibration-capture", choices=["source", "sequential"], default="source",
                       help="tokens of the source model, or of the partially converted one layer after layer")
     data.add_argument("--refine-steps", type=int, default=0,

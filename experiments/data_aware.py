@@ -8,7 +8,8 @@ Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fas
 * ``data+attn-kl`` / ``data+logit-mse``: the closed form, each layer then refined on its own right after its fit
   (``--refine-steps`` per layer): every head's attention probabilities (KL) / the exact within-image logit objective.
 * ``data``: the data-aware closed form (whitened Tucker, ``capture='source'``), ``data-seq``: sequential capture,
-  ``data-amp``: the tokens captured under bfloat16 autocast (``amp=True``);
+  ``data-amp``: the tokens captured under bfloat16 autocast (``amp=True``); ``data-cls``: the class token's queries
+  weighted as much as all patch tokens (``prefix_weight="balanced"``), ``data-cls+refine`` then refined;
   ``data+refine``: closed form then ``--refine-steps`` Adam steps on ``W~q, W~k, M`` (KL to the source's logits).
 * ``cut`` / ``cut-white``: the baseline a user would otherwise pick at the same q/k budget, the standard layer cut
   to K / heads dims per head by each head's truncated SVD of ``T_i`` (weight-only / of the whitened ``T_i``), with
@@ -130,7 +131,9 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
         capture = "sequential" if variant.startswith("data-seq") else "source"
         reports = reparametrize_layers(model, key_dim, "tucker", calibration=pool[:n], holdout=held, capture=capture,
                                        ridge=args.ridge, refine_steps=refine, refine_lr=args.refine_lr,
-                                       refine_loss=loss or "model-kl", amp=variant.endswith("-amp"), progress=False,
+                                       refine_loss=loss or "model-kl", amp=variant.endswith("-amp"),
+                                       prefix_weight="balanced" if variant.startswith("data-cls") else 1.0,
+                                       progress=False,
                                        whiten=variant.startswith("data"))
         layers, summary = [r.as_dict() for r in reports], reports.summary
     seconds = time.perf_counter() - start
@@ -163,7 +166,7 @@ def table(rows: list[dict], top1_source: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLUMN_ORDER = ["weight", "data", "data-seq", "data-amp", "data+refine", "weight+refine", "data+attn-kl",
+COLUMN_ORDER = ["weight", "data", "data-seq", "data-amp", "data-cls", "data-cls+refine", "data+refine", "weight+refine", "data+attn-kl",
                 "data+logit-mse", "cut", "cut-white"]
 
 
@@ -192,13 +195,15 @@ def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> st
 
     lines = [f"Top-1 change vs the source ({top1_source:.2f}), {images} calibration images:", "",
              "| key dim | dims per layer weight / data | weight-only | data-aware | data-aware + refine | "
-             "weight-only + refine | data-aware + layer-wise attention KL | data-aware + layer-wise logit MSE | "
+             "weight-only + refine | data-aware, class token balanced | the same + refine | "
+             "data-aware + layer-wise attention KL | data-aware + layer-wise logit MSE | "
              "data-aware, sequential | cut | cut, whitened | attn-output error weight / data | "
-             "logit error weight / data |", "|---|---|" + "---:|" * 11]
+             "logit error weight / data |", "|---|---|" + "---:|" * 13]
     for k in keys:
         lines.append(f"| {k} | {dims('weight', 0, k)} / {dims('data', images, k)} | {cell('weight', 0, k)} | "
                      f"{cell('data', images, k)} | {cell('data+refine', images, k)} | "
-                     f"{cell('weight+refine', images, k)} | {cell('data+attn-kl', images, k)} | "
+                     f"{cell('weight+refine', images, k)} | {cell('data-cls', images, k)} | "
+                     f"{cell('data-cls+refine', images, k)} | {cell('data+attn-kl', images, k)} | "
                      f"{cell('data+logit-mse', images, k)} | {cell('data-seq', images, k)} | {cell('cut', 0, k)} | "
                      f"{cell('cut-white', images, k)} | {errors(k, 'output_error')} | "
                      f"{errors(k, 'within_image_logit_error')} |")
@@ -247,7 +252,7 @@ def main() -> None:
     p.add_argument("--key-dims", nargs="+", default=["32", "16", "8", "4"])
     p.add_argument("--variants", nargs="+", choices=COLUMN_ORDER,
                    default=["weight", "data", "data+refine", "weight+refine", "data+attn-kl", "data+logit-mse",
-                            "data-seq", "data-amp", "cut", "cut-white"])
+                            "data-seq", "data-amp", "data-cls", "data-cls+refine", "cut", "cut-white"])
     p.add_argument("--images", nargs="+", type=int, default=[256], help="calibration image counts")
     p.add_argument("--refine-steps", type=int, default=300)
     p.add_argument("--refine-lr", type=float, default=1e-3)

@@ -6,8 +6,8 @@ weighted ``w`` times in the query moment (``S = sum_patches x x^T + w x_cls x_cl
 
     python experiments/data_aware_class_token.py --source runs/experiments/data_aware_e15/model.safetensors
 
-Writes ``results/data_aware_e15/class_token.json`` (or ``--out``). The probe's weights were not chosen on a
-validation split: it is a diagnosis, not a tuned result.
+Writes ``results/data_aware_e15/class_token.json`` (or ``--out``). These weights are not chosen on a validation
+split: a diagnosis, not a tuned result (``"balanced"``, the rule, is in data_aware.py's ``data-cls`` cells).
 """
 from __future__ import annotations
 
@@ -23,19 +23,9 @@ from runner import ROOT, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion import capture
-from collab_vit.conversion.calibration import TokenMoments, calibration_images
+from collab_vit.conversion.calibration import calibration_images
 from collab_vit.conversion.files import load_source
 from collab_vit.conversion.reparam import probe_input_size, reparametrize_layers, timm_attention_layers
-
-
-def class_weighted(weight: float) -> type:
-    """TokenMoments whose query moment counts token 0 (the class token) ``weight`` times."""
-    class Weighted(TokenMoments):
-        def update(self, tokens: torch.Tensor) -> None:
-            super().update(tokens)
-            cls = tokens[:, 0].detach().double().cpu()
-            self.query += (weight - 1.0) * (cls.T @ cls)
-    return Weighted
 
 
 @torch.no_grad()
@@ -76,18 +66,13 @@ def main() -> None:
                              **({} if variant == "weight" else {"holdout": held}), progress=False)
         result["errors_key_dim_4"][variant] = row_errors(model, source, held)
         print(variant, result["errors_key_dim_4"][variant], flush=True)
-    plain = capture.TokenMoments
-    try:
-        for weight in args.weights:
-            capture.TokenMoments = class_weighted(weight)
-            for key_dim in (8, 4):
-                model = copy.deepcopy(source)
-                reparametrize_layers(model, key_dim, calibration=pool, holdout=held, progress=False)
-                row = {"class_weight": weight, "key_dim": key_dim, "delta_top1": round(top1(model, *test) - base, 2)}
-                result["class_weight_probe"].append(row)
-                print(row, flush=True)
-    finally:
-        capture.TokenMoments = plain
+    for weight in args.weights:
+        for key_dim in (8, 4):
+            model = copy.deepcopy(source)
+            reparametrize_layers(model, key_dim, calibration=pool, holdout=held, prefix_weight=weight, progress=False)
+            row = {"class_weight": weight, "key_dim": key_dim, "delta_top1": round(top1(model, *test) - base, 2)}
+            result["class_weight_probe"].append(row)
+            print(row, flush=True)
     write_json(args.out, result)
     print(json.dumps(result["class_weight_probe"]))
 

@@ -31,7 +31,8 @@ def test_help_lists_the_calibration_flags() -> None:
     convert = build_parser()._subparsers._group_actions[0].choices["convert"]
     text = convert.format_help()
     for flag in ("--calibration-dataset", "--calibration-data-dir", "--calibration-split", "--calibration-images",
-                 "--calibration-capture", "--refine-steps", "--refine-loss", "--ridge"):
+                 "--calibration-capture", "--refine-steps", "--refine-loss", "--calibration-amp",
+                 "--calibration-prefix-weight", "--ridge"):
         assert flag in text
 
 
@@ -52,8 +53,10 @@ def test_convert_with_a_layerwise_refinement(tmp_path, capsys) -> None:
     out = tmp_path / "k6.safetensors"
     assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
                      "--calibration-data-dir", data, "--calibration-images", "10", "--refine-steps", "3",
-                     "--refine-loss", "logit-mse"]) == 0
-    refine = json.loads(out.with_suffix(".json").read_text())["calibration"]["refine"]
+                     "--refine-loss", "logit-mse", "--calibration-amp", "--calibration-prefix-weight", "balanced"]) == 0
+    calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
+    assert calibration["amp"] is True and calibration["prefix_weight"] == 16.0
+    refine = calibration["refine"]
     assert refine["loss"] == "logit-mse" and refine["per_layer"] and len(refine["loss_after"]) == 2
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(tmp_path / "x.st"),

@@ -24,7 +24,8 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
     run('data_aware.py', '--source', source, '--data-dir', tiny_fashion_mnist, '--results', results, '--key-dims',
         '4', '--images', '8', '--refine-steps', '2')
     names = ['weight_k4', 'data_k4_n8', 'data_refine_k4_n8', 'weight_refine_k4_n8', 'data_attn-kl_k4_n8',
-             'data_logit-mse_k4_n8', 'data-seq_k4_n8', 'data-amp_k4_n8', 'cut_k4', 'cut-white_k4_n8']
+             'data_logit-mse_k4_n8', 'data-seq_k4_n8', 'data-amp_k4_n8', 'data-cls_k4_n8', 'data-cls_refine_k4_n8', 'cut_k4',
+             'cut-white_k4_n8']
     for name in names:
         row = json.loads((results / f'{name}.json').read_text())
         assert row['key_dims'] == [4] and 0 <= row['top1'] <= 100 and row['output_error'] > 0
@@ -36,8 +37,7 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
 
 
 def test_class_token_diagnostic(tiny_fashion_mnist, tmp_path):  # noqa: F811
-    """experiments/data_aware_class_token.py: per-layer class-token / patch errors and the weighting probe; the
-    probe's TokenMoments patch is undone (a later conversion in the same process is unweighted)."""
+    """experiments/data_aware_class_token.py: per-layer class-token / patch errors and the weighting probe."""
     kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=1, embed_dim=16, num_heads=2, num_classes=10)
     torch.manual_seed(0)
     source = tmp_path / 'source.safetensors'

@@ -1,5 +1,5 @@
 """Layer-wise refinement (conversion/refine.py: ``attention-kl``, ``logit-mse``): the logits it matches, what it
-moves, determinism, the guard, the source-token pass it uses, refusals."""
+moves, determinism, the guard, the source-token pass it uses, refusals; bf16 capture; prefix-token weighting."""
 from __future__ import annotations
 
 import copy
@@ -124,3 +124,22 @@ def test_amp_capture_keeps_the_tokens_within_bfloat16_round_off(capture: str) ->
     for got, want in zip(held, ref):
         assert got.dtype == torch.float32
         assert_within(got, want.float(), bound, torch.bfloat16, what="bf16-captured tokens")
+
+
+def test_prefix_weight_counts_the_class_token_w_times_on_the_query_side() -> None:
+    """The weighted moments against their dense float64 definition; the key side is untouched; ``balanced`` is
+    patches / prefix tokens; bad weights are one-line errors."""
+    from collab_vit.conversion.calibration import TokenMoments
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    plain, weighted = TokenMoments(4), TokenMoments(4, prefix_tokens=1, prefix_weight=7.0)
+    plain.update(x)
+    weighted.update(x)
+    flat, cls = x.reshape(-1, 4), x[:, 0]
+    assert_within(weighted.query, flat.T @ flat + 6.0 * cls.T @ cls, 2 * 15, torch.float64, what="weighted query")
+    assert torch.equal(weighted.key, plain.key)
+    reports = collab_vit.reparametrize_layers(tiny_deit(), 3, calibration=images(8), prefix_weight="balanced",
+                                              progress=False)
+    assert reports.summary["prefix_weight"] == 16.0 and reports.summary["prefix_tokens"] == 1
+    for bad in (0.0, -1.0, float("inf"), "x", True):
+        with pytest.raises(ValueError, match="prefix_weight must be a positive finite number or 'balanced'"):
+            collab_vit.reparametrize_layers(tiny_deit(), 3, calibration=images(8), prefix_weight=bad, progress=False)

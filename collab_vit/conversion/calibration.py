@@ -38,12 +38,15 @@ class TokenMoments:
 
     ``query``: ``sum_t x_t x_t^T`` over every token of every image (uncentred: the query side of the logits).
     ``key``: ``sum_b sum_m (x_m - mean_b)(x_m - mean_b)^T`` with ``mean_b`` the mean token of image b (the key side:
-    softmax ignores terms constant along a row). Each batch is multiplied in its own dtype (at least float32) and
+    softmax ignores terms constant along a row). ``prefix_weight``: the first ``prefix_tokens`` tokens of every image
+    (class token, registers) count that many times in ``query`` (their query rows weighted; docs/math.md). Each batch is multiplied in its own dtype (at least float32) and
     added to float64 accumulators, so float64 tokens give float64 moments whatever the batch sizes.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, prefix_tokens: int = 0, prefix_weight: float = 1.0) -> None:
         self.dim = dim
+        self.prefix_tokens = prefix_tokens  # the first tokens of every image (class, registers) ...
+        self.prefix_weight = check_prefix_weight(prefix_weight)  # ... count this many times on the query side
         self.query = torch.zeros(dim, dim, dtype=torch.float64)
         self.key = torch.zeros(dim, dim, dtype=torch.float64)
         self.tokens = 0
@@ -67,9 +70,25 @@ class TokenMoments:
         flat = x.reshape(-1, self.dim)
         centred = (x - x.mean(dim=1, keepdim=True)).reshape(-1, self.dim)
         self.query += (flat.T @ flat).to(device="cpu", dtype=torch.float64)
+        if self.prefix_tokens and self.prefix_weight != 1.0:
+            prefix = x[:, :self.prefix_tokens].reshape(-1, self.dim)
+            self.query += (self.prefix_weight - 1.0) * (prefix.T @ prefix).to(device="cpu", dtype=torch.float64)
         self.key += (centred.T @ centred).to(device="cpu", dtype=torch.float64)
         self.tokens += flat.shape[0]
         self.images += x.shape[0]
+
+
+def check_prefix_weight(weight: object) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not weight > 0 or not math.isfinite(weight):
+        raise ValueError(f"prefix_weight must be a positive finite number or 'balanced', got {weight!r}")
+    return float(weight)
+
+
+def prefix_weight_for(weight: Union[float, str], prefix_tokens: int, tokens: int) -> float:
+    """``"balanced"``: the prefix tokens' queries weigh as much as all the patch tokens' (``patches / prefix``)."""
+    if weight == "balanced":
+        return (tokens - prefix_tokens) / prefix_tokens if prefix_tokens else 1.0
+    return check_prefix_weight(weight)
 
 
 def check_tokens(tokens: object, dim: Optional[int] = None) -> None:

@@ -21,8 +21,8 @@ from timm.layers import Attention
 from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention, check_key_dim
-from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, whitened_decomposition,
-                          whitened_rank, whitening)
+from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, prefix_weight_for,
+                          whitened_decomposition, whitened_rank, whitening)
 from .capture import CAPTURES, block_tokens, check_sequential, model_outputs, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
@@ -288,6 +288,7 @@ def reparametrize_layers(
         refine_loss: str = "model-kl",
         batch_size: int = 64,
         amp: bool = False,
+        prefix_weight: Union[float, str] = 1.0,
         whiten: bool = True,
 ) -> ConversionReport:
     """Swap every timm ``Attention`` of ``model`` in place; return one ``LayerReport`` per layer.
@@ -317,6 +318,9 @@ def reparametrize_layers(
             probabilities) or ``"logit-mse"`` (the exact within-image logit objective). The layer-wise losses need
             timm ``Attention`` layers in a ViT-like ``model.blocks``.
         batch_size: images per forward pass of the calibration stage.
+        prefix_weight: how many times the prefix tokens (class token, registers: ``model.num_prefix_tokens``) count
+            in the query moment; ``"balanced"``: as much as all patch tokens together (patches / prefix tokens).
+            The head reads the class token, 1 of N tokens (RESULTS.md (b)); 1: every token alike (default).
         amp: bfloat16 autocast for the token capture's forward passes (the moments are still summed in float64;
             held-out tokens kept in float32; the fits, the refinement and its targets run unchanged).
         whiten: fit the whitened forms (data-aware); False: the weight-only fit, the calibration images then serve
@@ -342,6 +346,11 @@ def reparametrize_layers(
                                  f"relative position bias); {name} is {type(attn).__name__} (use refine_loss="
                                  "'model-kl')")
     specs = _layer_specs(key_dim, layers)
+    prefix = int(getattr(model, "num_prefix_tokens", 0) or 0)
+    patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
+    if prefix_weight == "balanced" and patches is None:
+        raise ValueError("prefix_weight='balanced' needs a ViT with patch_embed.num_patches; give a number")
+    prefix_weight = prefix_weight_for(prefix_weight, prefix, prefix + (patches or 0))
     size = probe_input_size(model)
     images, fit = _split_holdout(calibration_images(calibration, size, max_images, batch_size), holdout, size)
     was_training = model.training
@@ -372,12 +381,13 @@ def reparametrize_layers(
     try:
         if capture == "source" and not layerwise:
             with autocast():
-                moments, held, peak = source_tokens(model, layers, images, fit, batch_size)
+                moments, held, peak = source_tokens(model, layers, images, fit, batch_size, prefix_weight)
             for index, layer_moments in enumerate(moments):
                 convert(index, layer_moments)
         else:
             with autocast():
-                held, peak = block_tokens(model, layers, images, fit, batch_size, convert, capture == "sequential")
+                held, peak = block_tokens(model, layers, images, fit, batch_size, convert, capture == "sequential",
+                                          prefix_weight)
     finally:
         bar.close()
     captured = (time.perf_counter() - start - sum(seconds for _, seconds in fits.values())
@@ -391,7 +401,8 @@ def reparametrize_layers(
         error = _output_error(closed.get(index, fitted.layer), attn, tokens) if tokens is not None else float("nan")
         reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, seconds, fitted.whitened_error,
                                    where, fitted.key_dim_from))
-    summary = {"capture": capture, "amp": amp, "images_fit": fit, "images_held_out": images.shape[0] - fit, "ridge": ridge,
+    summary = {"capture": capture, "amp": amp, "prefix_weight": prefix_weight, "prefix_tokens": prefix,
+               "images_fit": fit, "images_held_out": images.shape[0] - fit, "ridge": ridge,
                "peak_token_bytes": peak, "capture_seconds": captured}
     if layerwise:
         results = [refined[i] for i in range(len(layers))]
