@@ -131,15 +131,20 @@ def test_prefix_weight_counts_the_class_token_w_times_on_the_query_side() -> Non
     patches / prefix tokens; bad weights are one-line errors."""
     from collab_vit.conversion.calibration import TokenMoments
     x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    plain, weighted = TokenMoments(4), TokenMoments(4, prefix_tokens=1, prefix_weight=7.0)
+    plain, moments = TokenMoments(4), TokenMoments(4, prefix_tokens=1)
     plain.update(x)
-    weighted.update(x)
+    moments.update(x)
     flat, cls = x.reshape(-1, 4), x[:, 0]
-    assert_within(weighted.query, flat.T @ flat + 6.0 * cls.T @ cls, 2 * 15, torch.float64, what="weighted query")
-    assert torch.equal(weighted.key, plain.key)
+    assert_within(moments.weighted_query(7.0), flat.T @ flat + 6.0 * cls.T @ cls, 2 * 15, torch.float64,
+                  what="weighted query")
+    assert torch.equal(moments.weighted_query(1.0), plain.query) and torch.equal(moments.key, plain.key)
     reports = collab_vit.reparametrize_layers(tiny_deit(), 3, calibration=images(8), prefix_weight="balanced",
                                               progress=False)
     assert reports.summary["prefix_weight"] == 16.0 and reports.summary["prefix_tokens"] == 1
+    # energy thresholds read the unweighted whitened spectrum (the weighted one is the class token's)
+    dims = [[r.key_dim for r in collab_vit.reparametrize_layers(tiny_deit(), 0.9, calibration=images(8),
+                                                                  prefix_weight=w, progress=False)] for w in (1.0, 50.0)]
+    assert dims[0] == dims[1]
     for bad in (0.0, -1.0, float("inf"), "x", True):
         with pytest.raises(ValueError, match="prefix_weight must be a positive finite number or 'balanced'"):
             collab_vit.reparametrize_layers(tiny_deit(), 3, calibration=images(8), prefix_weight=bad, progress=False)

@@ -38,16 +38,16 @@ class TokenMoments:
 
     ``query``: ``sum_t x_t x_t^T`` over every token of every image (uncentred: the query side of the logits).
     ``key``: ``sum_b sum_m (x_m - mean_b)(x_m - mean_b)^T`` with ``mean_b`` the mean token of image b (the key side:
-    softmax ignores terms constant along a row). ``prefix_weight``: the first ``prefix_tokens`` tokens of every image
-    (class token, registers) count that many times in ``query`` (their query rows weighted; docs/math.md). Each batch is multiplied in its own dtype (at least float32) and
+    softmax ignores terms constant along a row). ``prefix``: ``query``'s part from the first ``prefix_tokens`` tokens
+    of every image (class token, registers), for ``weighted_query``. Each batch is multiplied in its own dtype (at least float32) and
     added to float64 accumulators, so float64 tokens give float64 moments whatever the batch sizes.
     """
 
-    def __init__(self, dim: int, prefix_tokens: int = 0, prefix_weight: float = 1.0) -> None:
+    def __init__(self, dim: int, prefix_tokens: int = 0) -> None:
         self.dim = dim
-        self.prefix_tokens = prefix_tokens  # the first tokens of every image (class, registers) ...
-        self.prefix_weight = check_prefix_weight(prefix_weight)  # ... count this many times on the query side
+        self.prefix_tokens = prefix_tokens  # the first tokens of every image (class, registers): ``prefix`` below
         self.query = torch.zeros(dim, dim, dtype=torch.float64)
+        self.prefix = torch.zeros(dim, dim, dtype=torch.float64)
         self.key = torch.zeros(dim, dim, dtype=torch.float64)
         self.tokens = 0
         self.images = 0
@@ -60,6 +60,11 @@ class TokenMoments:
         moments.update(tokens)
         return moments
 
+    def weighted_query(self, prefix_weight: float = 1.0) -> Tensor:
+        """``query`` with the prefix tokens' rows counted ``prefix_weight`` times (docs/math.md, query weights)."""
+        weight = check_prefix_weight(prefix_weight)
+        return self.query if weight == 1.0 else self.query + (weight - 1.0) * self.prefix
+
     @torch.no_grad()
     def update(self, tokens: Tensor) -> None:
         """Add a (B, N, D) batch of tokens (B images of N tokens)."""
@@ -70,9 +75,9 @@ class TokenMoments:
         flat = x.reshape(-1, self.dim)
         centred = (x - x.mean(dim=1, keepdim=True)).reshape(-1, self.dim)
         self.query += (flat.T @ flat).to(device="cpu", dtype=torch.float64)
-        if self.prefix_tokens and self.prefix_weight != 1.0:
+        if self.prefix_tokens:
             prefix = x[:, :self.prefix_tokens].reshape(-1, self.dim)
-            self.query += (self.prefix_weight - 1.0) * (prefix.T @ prefix).to(device="cpu", dtype=torch.float64)
+            self.prefix += (prefix.T @ prefix).to(device="cpu", dtype=torch.float64)
         self.key += (centred.T @ centred).to(device="cpu", dtype=torch.float64)
         self.tokens += flat.shape[0]
         self.images += x.shape[0]
@@ -131,11 +136,13 @@ def whitener(moment: Tensor, count: int, ridge: float = DEFAULT_RIDGE) -> Whiten
     return Whitening(v * root, v / root, lam)
 
 
-def whitening(moments: TokenMoments, ridge: float = DEFAULT_RIDGE) -> tuple[Whitening, Whitening]:
-    """(query side, key side) whitenings of one layer's moments."""
+def whitening(moments: TokenMoments, ridge: float = DEFAULT_RIDGE, prefix_weight: float = 1.0
+              ) -> tuple[Whitening, Whitening]:
+    """(query side, key side) whitenings of one layer's moments (query side with the prefix tokens weighted)."""
     if moments.tokens == 0:
         raise ValueError("no calibration tokens were seen")
-    return whitener(moments.query, moments.tokens, ridge), whitener(moments.key, moments.tokens, ridge)
+    return (whitener(moments.weighted_query(prefix_weight), moments.tokens, ridge),
+            whitener(moments.key, moments.tokens, ridge))
 
 
 def _whitened_factors(wq: Tensor, wk: Tensor, sides: tuple[Whitening, Whitening]) -> tuple[Tensor, Tensor]:

@@ -40,19 +40,19 @@ def model_outputs(model: nn.Module, images: Tensor, batch_size: int) -> Tensor:
     return torch.cat([model(chunk.to(device)) for chunk in images.split(batch_size)])
 
 
-def new_moments(model: nn.Module, attn: Attention, prefix_weight: float) -> TokenMoments:
-    """Empty moments for one layer; the model's prefix tokens (``num_prefix_tokens``: class, registers) weighted."""
-    return TokenMoments(attn.qkv.in_features, int(getattr(model, "num_prefix_tokens", 0) or 0), prefix_weight)
+def new_moments(model: nn.Module, attn: Attention) -> TokenMoments:
+    """Empty moments for one layer, the model's prefix tokens (``num_prefix_tokens``: class, registers) kept apart."""
+    return TokenMoments(attn.qkv.in_features, int(getattr(model, "num_prefix_tokens", 0) or 0))
 
 
 @torch.no_grad()
 def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: Tensor, fit: int,
-                  batch_size: int, prefix_weight: float = 1.0) -> tuple[list[TokenMoments], list[Tensor], int]:
+                  batch_size: int) -> tuple[list[TokenMoments], list[Tensor], int]:
     """Moments of the first ``fit`` images' tokens per layer, the held-out images' tokens per layer, peak bytes held.
 
     The peak counts the stored held-out tokens (the moments are D x D per layer).
     """
-    moments = [new_moments(model, attn, prefix_weight) for _, attn in layers]
+    moments = [new_moments(model, attn) for _, attn in layers]
     held: list[list[Tensor]] = [[] for _ in layers]
     start = [0]
 
@@ -116,8 +116,8 @@ def check_sequential(model: nn.Module, layers: list[tuple[str, Attention]]) -> N
 
 @torch.no_grad()
 def block_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: Tensor, fit: int, batch_size: int,
-                 convert: Callable[[int, TokenMoments, Tensor], None], sequential: bool = True,
-                 prefix_weight: float = 1.0) -> tuple[list[Tensor], int]:
+                 convert: Callable[[int, TokenMoments, Tensor], None], sequential: bool = True
+                 ) -> tuple[list[Tensor], int]:
     """Fit the layers one after the other, pushing the block inputs of the calibration images block by block.
 
     ``convert(j, moments, inputs)`` replaces ``model.blocks[j].attn`` (``inputs``: block j's inputs for the fitting
@@ -136,7 +136,7 @@ def block_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: 
         return following
 
     for index, block in enumerate(model.blocks):
-        moments = new_moments(model, layers[index][1], prefix_weight)
+        moments = new_moments(model, layers[index][1])
         parts = []
         for offset in range(0, hidden.shape[0], batch_size):
             x = block.norm1(hidden[offset:offset + batch_size])

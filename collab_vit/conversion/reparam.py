@@ -135,7 +135,7 @@ def layer_key_dim(spec: Union[None, int, float], wq: torch.Tensor, wk: torch.Ten
 @keeps_form
 def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str = "tucker",
                   calibration: Union[None, torch.Tensor, TokenMoments] = None, ridge: float = DEFAULT_RIDGE,
-                  **options) -> LayerFit:
+                  prefix_weight: float = 1.0, **options) -> LayerFit:
     """:func:`reparametrize_attention` with the errors of the fit (see there)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
@@ -147,9 +147,11 @@ def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str
         moments = calibration if isinstance(calibration, TokenMoments) else TokenMoments.of(calibration)
         if moments.dim != attn.qkv.in_features:
             raise ValueError(f"calibration tokens have D={moments.dim}, the layer has D={attn.qkv.in_features}")
-        sides = whitening(moments, ridge)
+        sides = whitening(moments, ridge, prefix_weight)
     wq, wk = split_qkv_heads(attn.qkv.weight.detach().cpu(), attn.num_heads)
-    rank, source = layer_key_dim(key_dim, wq, wk, sides)
+    # energy thresholds read the unweighted whitened spectrum: the weighted one is the class token's (RESULTS.md (b))
+    spectrum = whitening(moments, ridge) if sides is not None and prefix_weight != 1.0 else sides
+    rank, source = layer_key_dim(key_dim, wq, wk, spectrum)
     if rank >= attn.num_heads * attn.head_dim:
         return LayerFit(CollaborativeAttention.from_attention(attn, key_dim=rank), rank, 0.0,
                         None if sides is None else 0.0, source)
@@ -368,7 +370,8 @@ def reparametrize_layers(
     def convert(index: int, moments: TokenMoments, inputs: Optional[torch.Tensor] = None) -> None:
         name, attn = layers[index]
         began = time.perf_counter()
-        fitted = fit_attention(attn, specs[index], method, moments if whiten else None, ridge, **options)
+        fitted = fit_attention(attn, specs[index], method, moments if whiten else None, ridge, prefix_weight,
+                               **options)
         fits[index] = fitted, time.perf_counter() - began
         if layerwise:  # the closed form's copy, for the report's output error before the refinement
             closed[index] = copy.deepcopy(fitted.layer)
@@ -381,13 +384,12 @@ def reparametrize_layers(
     try:
         if capture == "source" and not layerwise:
             with autocast():
-                moments, held, peak = source_tokens(model, layers, images, fit, batch_size, prefix_weight)
+                moments, held, peak = source_tokens(model, layers, images, fit, batch_size)
             for index, layer_moments in enumerate(moments):
                 convert(index, layer_moments)
         else:
             with autocast():
-                held, peak = block_tokens(model, layers, images, fit, batch_size, convert, capture == "sequential",
-                                          prefix_weight)
+                held, peak = block_tokens(model, layers, images, fit, batch_size, convert, capture == "sequential")
     finally:
         bar.close()
     captured = (time.perf_counter() - start - sum(seconds for _, seconds in fits.values())
