@@ -159,7 +159,8 @@ def _convert(args: argparse.Namespace) -> None:
     calibration = _calibration(args)
     extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
                                                  refine_steps=args.refine_steps, refine_lr=args.refine_lr,
-                                                 refine_loss=args.refine_loss, amp=args.calibration_amp,
+                                                 refine_loss=args.refine_loss, refine_values=args.refine_values,
+                                                 amp=args.calibration_amp,
                                                  prefix_weight=args.calibration_prefix_weight)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--refine-loss", choices=["model-kl", "attention-kl", "logit-mse"], default="model-kl",
                       help="model-kl: the model's output logits (all layers at once); attention-kl / logit-mse: "
                       "layer by layer, each head's attention probabilities / row-centred logits (default: model-kl)")
+    data.add_argument("--refine-values", action="store_true",
+                      help="model-kl: refine the value and output projections too (default: W~q, W~k, M only)")
     data.add_argument("--device", default="cpu", help="where the forward passes and the refinement run, e.g. cuda "
                       "(the decompositions run on the CPU; default: cpu)")
     convert.set_defaults(run=_convert)

@@ -10,6 +10,7 @@ Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fas
 * ``data``: the data-aware closed form (whitened Tucker, ``capture='source'``), ``data-seq``: sequential capture,
   ``data-amp``: the tokens captured under bfloat16 autocast (``amp=True``); ``data-cls``: the class token's queries
   weighted as much as all patch tokens (``prefix_weight="balanced"``), ``data-cls+refine`` then refined;
+  ``data+refine-v``: the refinement of the value and output projections too (``refine_values=True``);
   ``data+refine``: closed form then ``--refine-steps`` Adam steps on ``W~q, W~k, M`` (KL to the source's logits).
 * ``cut`` / ``cut-white``: the baseline a user would otherwise pick at the same q/k budget, the standard layer cut
   to K / heads dims per head by each head's truncated SVD of ``T_i`` (weight-only / of the whitened ``T_i``), with
@@ -40,7 +41,8 @@ from collab_vit.conversion.reparam import (_output_error, compressed_from_attent
                                            reparametrize_layers, timm_attention_layers)
 
 HELD_OUT = 64
-REFINES = {"+refine": "model-kl", "+attn-kl": "attention-kl", "+logit-mse": "logit-mse"}  # variant suffix: loss
+REFINES = {"+refine": "model-kl", "+refine-v": "model-kl", "+attn-kl": "attention-kl",
+           "+logit-mse": "logit-mse"}  # variant suffix: loss
 
 
 def test_set(data_dir: str, model: torch.nn.Module, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +133,8 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
         capture = "sequential" if variant.startswith("data-seq") else "source"
         reports = reparametrize_layers(model, key_dim, "tucker", calibration=pool[:n], holdout=held, capture=capture,
                                        ridge=args.ridge, refine_steps=refine, refine_lr=args.refine_lr,
-                                       refine_loss=loss or "model-kl", amp=variant.endswith("-amp"),
+                                       refine_loss=loss or "model-kl", refine_values=variant.endswith("+refine-v"),
+                                       amp=variant.endswith("-amp"),
                                        prefix_weight="balanced" if variant.startswith("data-cls") else 1.0,
                                        progress=False,
                                        whiten=variant.startswith("data"))
@@ -166,8 +169,8 @@ def table(rows: list[dict], top1_source: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-COLUMN_ORDER = ["weight", "data", "data-seq", "data-amp", "data-cls", "data-cls+refine", "data+refine", "weight+refine", "data+attn-kl",
-                "data+logit-mse", "cut", "cut-white"]
+COLUMN_ORDER = ["weight", "data", "data-seq", "data-amp", "data-cls", "data-cls+refine", "data+refine", "data+refine-v",
+                "weight+refine", "data+attn-kl", "data+logit-mse", "cut", "cut-white"]
 
 
 def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> str:

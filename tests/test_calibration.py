@@ -235,3 +235,16 @@ def test_refinement_that_makes_the_kl_worse_is_undone() -> None:
     refine = reports.summary["refine"]
     assert refine["kept_start"] and refine["kl_after"] > refine["kl_before"]
     assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), closed.state_dict().values()))
+
+
+def test_refine_values_moves_values_and_output_projection_too() -> None:
+    model, closed = tiny_deit(), tiny_deit()
+    reports = collab_vit.reparametrize_layers(model, 3, calibration=images(16), refine_steps=8, refine_lr=1e-2,
+                                              refine_values=True, batch_size=8, progress=False)
+    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), batch_size=8, progress=False)
+    assert reports.summary["refine"]["values"] is True
+    for name, value in model.state_dict().items():
+        moved = not torch.equal(value, closed.state_dict()[name])
+        assert moved == any(part in name for part in (".query.", ".key.", ".mixing", "attn.value.", "attn.proj.")), name
+    with pytest.raises(ValueError, match="refine_values needs refine_steps > 0 and refine_loss='model-kl'"):
+        collab_vit.reparametrize_layers(tiny_deit(), 3, calibration=images(8), refine_values=True, progress=False)

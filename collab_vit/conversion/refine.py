@@ -1,7 +1,8 @@
 """Label-free refinement of converted layers: match what the source model computes on the calibration images.
 
 Only the collaborative query/key projections and mixing (``W~q, W~k, M``, eq. 5) of the converted layers are
-trained; values, output projection, content bias and everything outside attention stay fixed. Three losses
+trained (with ``values=True`` in ``model-kl`` also their value and output projections); content bias and
+everything outside attention stay fixed. Three losses
 (``REFINE_LOSSES``), no labels:
 
 * ``model-kl`` (end to end, all layers at once): ``KL(softmax(source logits) || softmax(converted logits))`` of the
@@ -129,13 +130,16 @@ def mean_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -
 
 def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images: Tensor, targets: Tensor,
                   steps: int, lr: float = 1e-3, batch_size: int = 64, seed: int = 0,
-                  progress: bool = True) -> RefineResult:
+                  progress: bool = True, values: bool = False) -> RefineResult:
     """``steps`` Adam steps on the ``W~q, W~k, M`` of ``layers`` so that ``model(images)`` matches ``targets`` (KL).
 
-    ``model`` runs in eval mode (no dropout); the other parameters get no gradient and are left unchanged. Returns
-    the loss of every step (the minibatch's, before its update).
+    ``values``: the layers' value and output projections (weights and biases) are refined too. ``model`` runs in
+    eval mode (no dropout); the other parameters get no gradient and are left unchanged. Returns the loss of every
+    step (the minibatch's, before its update).
     """
     params = [p for layer in layers for p in (layer.query.weight, layer.key.weight, layer.mixing)]
+    if values:
+        params += [p for layer in layers for part in (layer.value, layer.proj) for p in part.parameters()]
     device = params[0].device
     target = F.log_softmax(targets.float(), dim=-1)
 

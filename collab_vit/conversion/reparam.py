@@ -288,6 +288,7 @@ def reparametrize_layers(
         refine_steps: int = 0,
         refine_lr: float = 1e-3,
         refine_loss: str = "model-kl",
+        refine_values: bool = False,
         batch_size: int = 64,
         amp: bool = False,
         prefix_weight: Union[float, str] = 1.0,
@@ -319,6 +320,7 @@ def reparametrize_layers(
             each fit, ``refine_steps`` per layer on that layer's tokens: ``"attention-kl"`` (every head's attention
             probabilities) or ``"logit-mse"`` (the exact within-image logit objective). The layer-wise losses need
             timm ``Attention`` layers in a ViT-like ``model.blocks``.
+        refine_values: ``model-kl`` also refines the value and output projections (RESULTS.md (b) measures it).
         batch_size: images per forward pass of the calibration stage.
         prefix_weight: how many times the prefix tokens (class token, registers: ``model.num_prefix_tokens``) count
             in the query moment; ``"balanced"``: as much as all patch tokens together (patches / prefix tokens).
@@ -340,6 +342,8 @@ def reparametrize_layers(
         raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
     check_steps(refine_steps)
     layerwise = bool(refine_steps) and check_loss(refine_loss) != "model-kl"
+    if refine_values and (layerwise or not refine_steps):
+        raise ValueError("refine_values needs refine_steps > 0 and refine_loss='model-kl'")
     if layerwise:
         check_sequential(model, layers)
         for name, attn in layers:
@@ -414,8 +418,8 @@ def reparametrize_layers(
                              "kept_start": [r.kept_start for r in results]}
     elif refine_steps:
         result = refine_logits(model, [fits[i][0].layer for i in range(len(layers))], images[:fit], targets,
-                               refine_steps, refine_lr, batch_size, seed, progress)
-        summary["refine"] = {"loss": refine_loss, "steps": result.steps, "seconds": result.seconds, "lr": refine_lr,
+                               refine_steps, refine_lr, batch_size, seed, progress, refine_values)
+        summary["refine"] = {"loss": refine_loss, "values": refine_values, "steps": result.steps, "seconds": result.seconds, "lr": refine_lr,
                              "first_loss": result.first_loss, "last_loss": result.last_loss,
                              "kl_before": result.kl_before, "kl_after": result.kl_after,
                              "kept_start": result.kept_start}
