@@ -12,7 +12,8 @@ from test_experiments import run, tiny_fashion_mnist  # noqa: F401  (the fixture
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
+def tiny_source(tmp_path) -> str:
+    """A random-weight 1-block DeiT at 28 px, exported as the experiments read their sources."""
     kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=1, embed_dim=16, num_heads=2, num_classes=10)
     torch.manual_seed(0)
     source = tmp_path / 'source.safetensors'
@@ -20,6 +21,11 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
                        'deit_tiny_patch16_224', kwargs,
                        {'data_config': {'input_size': [1, 28, 28], 'mean': [0.286], 'std': [0.353], 'crop_pct': 1.0,
                                         'interpolation': 'bicubic', 'crop_mode': 'center'}})
+    return source
+
+
+def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    source = tiny_source(tmp_path)
     results = tmp_path / 'results'
     run('data_aware.py', '--source', source, '--data-dir', tiny_fashion_mnist, '--results', results, '--key-dims',
         '4', '--images', '8', '--refine-steps', '2')
@@ -38,13 +44,7 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
 
 def test_class_token_diagnostic(tiny_fashion_mnist, tmp_path):  # noqa: F811
     """experiments/data_aware_class_token.py: per-layer class-token / patch errors and the weighting probe."""
-    kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=1, embed_dim=16, num_heads=2, num_classes=10)
-    torch.manual_seed(0)
-    source = tmp_path / 'source.safetensors'
-    export_safetensors(timm.create_model('deit_tiny_patch16_224', **kwargs).state_dict(), str(source),
-                       'deit_tiny_patch16_224', kwargs,
-                       {'data_config': {'input_size': [1, 28, 28], 'mean': [0.286], 'std': [0.353], 'crop_pct': 1.0,
-                                        'interpolation': 'bicubic', 'crop_mode': 'center'}})
+    source = tiny_source(tmp_path)
     out = tmp_path / 'class_token.json'
     run('data_aware_class_token.py', '--source', source, '--data-dir', tiny_fashion_mnist, '--out', out,
         '--weights', '1', '10')

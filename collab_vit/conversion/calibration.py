@@ -89,11 +89,13 @@ def check_prefix_weight(weight: object) -> float:
     return float(weight)
 
 
-def prefix_weight_for(weight: Union[float, str], prefix_tokens: int, tokens: int) -> float:
+def prefix_weight_for(weight: Union[float, str], prefix_tokens: int, patches: Optional[int]) -> float:
     """``"balanced"``: the prefix tokens' queries weigh as much as all the patch tokens' (``patches / prefix``)."""
-    if weight == "balanced":
-        return (tokens - prefix_tokens) / prefix_tokens if prefix_tokens else 1.0
-    return check_prefix_weight(weight)
+    if weight != "balanced":
+        return check_prefix_weight(weight)
+    if patches is None:
+        raise ValueError("prefix_weight='balanced' needs a ViT with patch_embed.num_patches; give a number")
+    return patches / prefix_tokens if prefix_tokens else 1.0
 
 
 def check_tokens(tokens: object, dim: Optional[int] = None) -> None:

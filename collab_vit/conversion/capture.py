@@ -40,9 +40,14 @@ def model_outputs(model: nn.Module, images: Tensor, batch_size: int) -> Tensor:
     return torch.cat([model(chunk.to(device)) for chunk in images.split(batch_size)])
 
 
+def prefix_tokens(model: nn.Module) -> int:
+    """The model's prefix tokens (timm's ``num_prefix_tokens``: class token, registers); 0 if it has none."""
+    return int(getattr(model, "num_prefix_tokens", 0) or 0)
+
+
 def new_moments(model: nn.Module, attn: Attention) -> TokenMoments:
-    """Empty moments for one layer, the model's prefix tokens (``num_prefix_tokens``: class, registers) kept apart."""
-    return TokenMoments(attn.qkv.in_features, int(getattr(model, "num_prefix_tokens", 0) or 0))
+    """Empty moments for one layer, the model's prefix tokens kept apart (``TokenMoments.prefix``)."""
+    return TokenMoments(attn.qkv.in_features, prefix_tokens(model))
 
 
 @torch.no_grad()
@@ -147,10 +152,12 @@ def block_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: 
                 parts.append(_kept(x[cut:]))
         held.append(torch.cat(parts) if parts else None)
         last = index + 1 == len(model.blocks)
-        following = None if sequential or last else push(block)
+        if not (sequential or last):
+            following = push(block)  # through the source block, before it is swapped
         convert(index, moments, hidden[:fit])
         if not last:
-            following = push(block) if sequential else following
+            if sequential:
+                following = push(block)  # through the converted block
             peak = max(peak, 2 * _bytes(hidden) + sum(_bytes(t) for t in held if t is not None))
             hidden = following
     return held, peak

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import Attention
 from torch import Tensor
 from tqdm import tqdm
 
@@ -57,6 +58,14 @@ def check_loss(loss: object) -> str:
     if loss not in REFINE_LOSSES:
         raise ValueError(f"refine_loss must be one of {REFINE_LOSSES}, got {loss!r}")
     return str(loss)
+
+
+def check_layerwise(layers: list[tuple[str, nn.Module]], loss: str) -> None:
+    """The layer-wise losses recompute the logits (``attention_logits``): timm's own ``Attention`` forward only."""
+    for name, attn in layers:
+        if not (isinstance(attn, Attention) and type(attn).forward is Attention.forward):
+            raise ValueError(f"refine_loss={loss!r} needs timm Attention layers (timm's forward: no relative position "
+                             f"bias); {name} is {type(attn).__name__} (use refine_loss='model-kl')")
 
 
 def _refine(params: list[nn.Parameter], batch_loss: Callable[[Tensor], Tensor], full_loss: Callable[[], float],
@@ -181,11 +190,14 @@ def _loss_parts(logits: Tensor, reference: Tensor, loss: str) -> tuple[Tensor, T
     return diff.square().sum(), ref.square().sum()
 
 
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+
+
 def layer_loss(logits: Tensor, reference: Tensor, loss: str) -> Tensor:
     """``attention-kl``: mean over images, heads and query rows of ``KL(softmax(reference) || softmax(logits))``;
     ``logit-mse``: ``||centre(logits - reference)||^2 / ||centre(reference)||^2``, rows centred over the keys."""
-    num, den = _loss_parts(logits, reference, loss)
-    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+    return _ratio(*_loss_parts(logits, reference, loss))
 
 
 def refine_layer(layer: CollaborativeAttention, source: nn.Module, inputs: Tensor, norm: nn.Module, steps: int,
@@ -206,8 +218,7 @@ def refine_layer(layer: CollaborativeAttention, source: nn.Module, inputs: Tenso
         return _loss_parts(attention_logits(layer, x), reference, loss)
 
     def batch_loss(index: Tensor) -> Tensor:
-        num, den = parts(index)
-        return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+        return _ratio(*parts(index))
 
     @torch.no_grad()
     def full_loss() -> float:

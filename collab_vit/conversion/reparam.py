@@ -23,10 +23,10 @@ from tqdm import tqdm
 from ..layers.attention import CollaborativeAttention, check_key_dim
 from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, prefix_weight_for,
                           whitened_decomposition, whitened_rank, whitening)
-from .capture import CAPTURES, block_tokens, check_sequential, model_outputs, source_tokens
+from .capture import CAPTURES, block_tokens, check_sequential, model_outputs, prefix_tokens, source_tokens
 from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
                         split_qkv_heads, tucker_decompose)
-from .refine import RefineResult, check_loss, check_steps, refine_layer, refine_logits
+from .refine import RefineResult, check_layerwise, check_loss, check_steps, refine_layer, refine_logits
 from .forms import keeps_form
 from .support import all_or_nothing, attention_forms, attention_reason
 
@@ -150,7 +150,8 @@ def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str
         sides = whitening(moments, ridge, prefix_weight)
     wq, wk = split_qkv_heads(attn.qkv.weight.detach().cpu(), attn.num_heads)
     # energy thresholds read the unweighted whitened spectrum: the weighted one is the class token's (RESULTS.md (b))
-    spectrum = whitening(moments, ridge) if sides is not None and prefix_weight != 1.0 else sides
+    weighted_threshold = sides is not None and prefix_weight != 1.0 and isinstance(key_dim, float)
+    spectrum = whitening(moments, ridge) if weighted_threshold else sides
     rank, source = layer_key_dim(key_dim, wq, wk, spectrum)
     if rank >= attn.num_heads * attn.head_dim:
         return LayerFit(CollaborativeAttention.from_attention(attn, key_dim=rank), rank, 0.0,
@@ -346,31 +347,24 @@ def reparametrize_layers(
         raise ValueError("refine_values needs refine_steps > 0 and refine_loss='model-kl'")
     if layerwise:
         check_sequential(model, layers)
-        for name, attn in layers:
-            if not (isinstance(attn, Attention) and type(attn).forward is Attention.forward):
-                raise ValueError(f"refine_loss={refine_loss!r} needs timm Attention layers (timm's forward: no "
-                                 f"relative position bias); {name} is {type(attn).__name__} (use refine_loss="
-                                 "'model-kl')")
+        check_layerwise(layers, refine_loss)
     specs = _layer_specs(key_dim, layers)
-    prefix = int(getattr(model, "num_prefix_tokens", 0) or 0)
-    patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
-    if prefix_weight == "balanced" and patches is None:
-        raise ValueError("prefix_weight='balanced' needs a ViT with patch_embed.num_patches; give a number")
-    prefix_weight = prefix_weight_for(prefix_weight, prefix, prefix + (patches or 0))
+    prefix = prefix_tokens(model)
+    prefix_weight = prefix_weight_for(prefix_weight, prefix, getattr(getattr(model, "patch_embed", None),
+                                                                      "num_patches", None))
     size = probe_input_size(model)
     images, fit = _split_holdout(calibration_images(calibration, size, max_images, batch_size), holdout, size)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     device_type = next(model.parameters()).device.type
-    autocast = lambda on=amp: torch.autocast(device_type, torch.bfloat16, enabled=bool(on))  # noqa: E731
     targets = model_outputs(model, images[:fit], batch_size) if refine_steps and not layerwise else None
     fits: dict[int, tuple[LayerFit, float]] = {}
     refined: dict[int, RefineResult] = {}
     closed: dict[int, nn.Module] = {}
     bar = tqdm(total=len(layers), desc=f"data-aware {method} ({capture} tokens)", disable=not progress)
 
-    @autocast(False)
+    @torch.autocast(device_type, enabled=False)  # the fits and the refinement at full precision under ``amp``
     def convert(index: int, moments: TokenMoments, inputs: Optional[torch.Tensor] = None) -> None:
         name, attn = layers[index]
         began = time.perf_counter()
@@ -387,12 +381,12 @@ def reparametrize_layers(
 
     try:
         if capture == "source" and not layerwise:
-            with autocast():
+            with torch.autocast(device_type, torch.bfloat16, enabled=amp):
                 moments, held, peak = source_tokens(model, layers, images, fit, batch_size)
             for index, layer_moments in enumerate(moments):
                 convert(index, layer_moments)
         else:
-            with autocast():
+            with torch.autocast(device_type, torch.bfloat16, enabled=amp):
                 held, peak = block_tokens(model, layers, images, fit, batch_size, convert, capture == "sequential")
     finally:
         bar.close()
