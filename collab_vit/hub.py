@@ -36,6 +36,7 @@ from .weights_io import EVAL_KEYS, HUB_CONFIG, HUB_WEIGHTS
 
 Source = tuple[str, dict[str, Any]]  # a timm model name and the keyword arguments it was created with
 TRAITS = ("img_size", "in_chans", "num_classes", "global_pool")  # what timm's save_for_hf adds from the model
+ON_LOAD = ("conversion_method", "conversion_options")  # how standard weights were converted on load: not recorded
 
 
 def _key_dim_arg(key_dims: list[int]) -> Any:
@@ -50,8 +51,7 @@ def _source_args(model: nn.Module, kwargs: Optional[dict[str, Any]] = None) -> d
         args = get_model_args(model, None if kwargs is None else dict(kwargs))
     except ValueError as error:  # an explicit argument that disagrees with the model
         raise ValueError(f"save_pretrained: {error}") from None
-    if kwargs is not None:
-        args = {k: v for k, v in args.items() if k in kwargs or k in TRAITS}
+    args = {k: v for k, v in args.items() if k not in ON_LOAD and (kwargs is None or k in kwargs or k in TRAITS)}
     for key, value in args.items():
         try:
             json.dumps(value)

@@ -59,8 +59,9 @@ SMALL = dict(embed_dim=64, num_heads=4)
 CONVERTED = "collab_vit_converted"
 CASES = {  # model, the architecture the folder must name
     "registered, per-layer key dims": (
-        lambda: perturbed(timm.create_model("collab_deit_tiny_patch16_224", key_dim=[48, 96], **TINY)),
-        "collab_deit_tiny_patch16_224"),
+        lambda: perturbed(timm.create_model("collab_deit_tiny_patch16_224", key_dim=[48, 96], conversion_method="cp",
+                                            conversion_options=dict(dtype=torch.float64), **TINY)),
+        "collab_deit_tiny_patch16_224"),  # how standard weights would convert on load: not recorded
     "timm DeiT converted": (lambda: converted("deit_tiny_patch16_224", key_dim=[32, 48], **SMALL),
                             "collab_deit_tiny_patch16_224"),
     "DeiT-III style (layer scale, no class-token position)": (
@@ -159,7 +160,7 @@ def test_source_given_or_read_from_the_model(tmp_path: Path) -> None:
     ``timm.create_model`` noted); where that is not enough, one line and nothing written; ``source=`` then saves."""
     kwargs = dict(TINY, **SMALL, reg_tokens=1)
     torch.manual_seed(0)
-    by_function = collab_vit.reparametrize(perturbed(vision_transformer.vit_small_patch16_224(**kwargs)), 32,
+    by_function = collab_vit.reparametrize(perturbed(vision_transformer.vit_tiny_patch16_224(**kwargs)), 32,
                                            progress=False)  # built without timm.create_model: no arguments noted
     torch.manual_seed(0)
     by_hand = collab_vit.reparametrize(perturbed(VisionTransformer(**kwargs)), 32, progress=False)  # no cfg at all
@@ -169,10 +170,10 @@ def test_source_given_or_read_from_the_model(tmp_path: Path) -> None:
         assert "\n" not in str(error.value) and "source=" in str(error.value)
         assert not (tmp_path / "refused").exists()
         with pytest.raises(ValueError, match="its weights differ at"):  # a source that is not the model's (width)
-            collab_vit.save_pretrained(model, str(tmp_path / "refused"), source=("vit_small_patch16_224", TINY))
+            collab_vit.save_pretrained(model, str(tmp_path / "refused"), source=("vit_tiny_patch16_224", TINY))
         assert not (tmp_path / "refused").exists()
         folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        assert collab_vit.save_pretrained(model, str(folder), source=("vit_small_patch16_224", kwargs)) == CONVERTED
+        assert collab_vit.save_pretrained(model, str(folder), source=("vit_tiny_patch16_224", kwargs)) == CONVERTED
         assert_same_outputs(model, reloaded(folder))
 
 
