@@ -150,7 +150,7 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, parse_key_dim
     from .conversion.support import kept_text
-    from .hub import checked_description, save_pretrained
+    from .hub import save_pretrained
     from .training.flags import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
@@ -165,7 +165,6 @@ def _convert(args: argparse.Namespace) -> None:
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
                               device=args.device, max_iter=args.max_iter, tol=args.tol,
-                              describe=checked_description,
                               save_folder=save_pretrained,
                               **extra)
     print(format_report(reports))

@@ -8,9 +8,13 @@ timm's ``deit.py``:
 * ``collab_deit_{size}_patch16_224_k{N}`` -- the paper's grid, key dim fixed by the name;
 * ``concat_deit_{size}_patch16_224`` (keyword ``key_dim``) and ``concat_deit_{size}_patch16_224_k{N}`` -- standard
   attention with each head's key/query dim cut to ``key_dim / heads``;
+* ``collab_vit_converted`` -- a timm model converted to collaborative attention, as its file or folder records it
+  (``conversion/record.py``): the source's timm name (``source_model``) and keyword arguments, and per converted
+  layer its collaborative class and key dim (``collaborative_layers``); what ``collab_vit.save_pretrained`` and
+  ``collab-vit convert`` name for a converted model that is not a timm DeiT;
 * ``collab_vit_generic`` -- any timm ViT design (the keyword arguments of timm's ``VisionTransformer``) with
-  collaborative or cut attention, ``key_dim`` an int or one per block: what ``collab_vit.save_pretrained`` names
-  for a converted model that is not a DeiT.
+  collaborative or cut attention, ``key_dim`` an int or one per block (what version 0.2 saved converted models as;
+  its folders still load).
 
 All are :class:`CollabVisionTransformer` (timm's ``VisionTransformer`` whose ``no_weight_decay()`` also names the
 mixing matrices, so that timm's ``create_optimizer_v2`` -- with or without ``layer_decay`` -- keeps them out of
@@ -29,12 +33,14 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Optional, Sequence, Type, Union
 
+import timm
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, GluMlp, Mlp, SwiGLU, get_norm_layer
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 
 from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
+from .conversion.record import CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
 from .layers.attention import (CollaborativeAttention, ConcatAttention, attention_class, check_key_dim,
                                per_block_attention_class)
 from .layers.weight_decay import CollabVisionTransformer
@@ -92,7 +98,9 @@ default_cfgs = generate_default_cfgs({
     **{f"{name}.fb_in1k": _cfg(**DEIT_WEIGHTS[name.split("_")[2]], **deit_eval_cfg(name.split("_")[2]))
        for name in COLLAB_MODELS},
     **{name: _cfg() for name in CONCAT_MODELS + [GENERIC_MODEL]},
+    CONVERTED_MODEL: {},  # the source's cfg (``_source_cfg``)
 })
+OWN_MODELS: list[str] = COLLAB_MODELS + CONCAT_MODELS + [GENERIC_MODEL, CONVERTED_MODEL]
 
 
 def query_key_params(layer: nn.Module) -> int:
@@ -311,7 +319,8 @@ def concat_deit_base_patch16_224_k192(pretrained: bool = False, **kwargs) -> Col
 
 @register_model
 def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransformer:
-    """Any timm ``VisionTransformer`` design with collaborative (or cut) attention, as ``save_pretrained`` records it.
+    """Any timm ``VisionTransformer`` design with collaborative (or cut) attention (how version 0.2 saved converted
+    models: its folders and files still load).
 
     Keywords: timm's ``VisionTransformer`` arguments (defaults: ViT-B/16), with ``norm_layer`` / ``act_layer`` by
     timm's names (``"layernorm"``, ``"gelu_tanh"``, ...), ``norm_eps``, ``mlp_layer`` (``"mlp"``, ``"swiglu"``,
@@ -330,3 +339,39 @@ def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransf
         kwargs["norm_layer"] = partial(get_norm_layer(kwargs.get("norm_layer") or "layernorm"), eps=norm_eps)
     return _create(GENERIC_MODEL, ATTENTIONS[attention], pretrained, mlp_layer=MLP_LAYERS[mlp_layer],
                    file_read=pretrained, **kwargs)
+
+
+def _source_cfg(source: str) -> dict[str, Any]:
+    """The source's pretrained cfg (its evaluation pipeline and input size) without its weights' locations."""
+    cfg = get_pretrained_cfg(source)
+    cfg = {} if cfg is None else cfg.to_dict()
+    for key in ("url", "hf_hub_id", "hf_hub_filename", "file", "state_dict", "source", "tag"):
+        cfg.pop(key, None)
+    return {**cfg, "architecture": CONVERTED_MODEL}
+
+
+def _converted_source(source: str, layers: dict[str, dict[str, Any]], **kwargs: Any) -> nn.Module:
+    return swap_layers(timm.create_model(source, **kwargs), layers)
+
+
+@register_model
+def collab_vit_converted(pretrained: bool = False, **kwargs) -> nn.Module:
+    """A timm model converted to collaborative attention, rebuilt from what its file or folder records.
+
+    Keywords: ``source_model`` (the source's timm name), ``collaborative_layers`` (``{layer name: {"layer":
+    collaborative class, "key_dim": k}}``) and the source's own keyword arguments. The source's architecture is
+    created without its weights, its attention layers are swapped for collaborative ones of the recorded key dims
+    (``conversion/record.py``), then ``pretrained`` weights (a ``local-dir:`` / ``hf-hub:`` folder, or a converted
+    file given as ``pretrained_cfg_overlay=dict(file=...)``) are loaded.
+    """
+    if pretrained:
+        _file_architecture(kwargs)  # a converted file's recorded keywords
+    source, layers = kwargs.pop(SOURCE, None), kwargs.pop(LAYERS, None)
+    if not isinstance(source, str) or ":" in source or source in OWN_MODELS or not timm.is_model(source) or \
+            not isinstance(layers, dict):
+        raise ValueError(f"{CONVERTED_MODEL} needs {SOURCE} (a timm model name, got {source!r}) and {LAYERS} (one "
+                         f"entry per converted layer), as a converted file or folder records them")
+    kwargs["pretrained_cfg"] = kwargs.get("pretrained_cfg") or _source_cfg(source)
+    return build_model_with_cfg(partial(_converted_source, source, layers), CONVERTED_MODEL, pretrained,
+                                feature_cfg=dict(out_indices=kwargs.pop("out_indices", 3), feature_cls="getter"),
+                                **kwargs)

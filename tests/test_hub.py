@@ -1,16 +1,20 @@
 """``collab_vit.save_pretrained``: timm's hub folder, reloaded by plain ``timm.create_model("local-dir:...")`` with
-bit-identical outputs; the mixing matrices out of weight decay whatever the model class; refusals write nothing."""
+bit-identical outputs for every design that converts (a converted model recorded as its source: timm name,
+arguments, each layer's class and key dim); folders written by version 0.2 still load; loading unpickles nothing;
+the mixing matrices out of weight decay whatever the model class; refusals write nothing."""
 from __future__ import annotations
 
 import copy
 import json
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
 import timm
 import torch
 from safetensors.torch import load_file
-from timm.models import _hub
+from timm.models import VisionTransformer, _hub, vision_transformer
 from timm.optim import create_optimizer_v2
 
 import collab_vit
@@ -20,6 +24,9 @@ from collab_vit.training.eval_cli import main as eval_main
 from collab_vit.training.model_factory import load_weights
 
 TINY = dict(img_size=32, patch_size=8, depth=2, num_classes=7)
+DATA = Path(__file__).parent / "data"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:
@@ -32,10 +39,10 @@ def perturbed(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def converted(name: str, **kwargs) -> torch.nn.Module:
-    """A timm model (no pretrained weights) converted at full rank."""
+def converted(name: str, key_dim=None, **kwargs) -> torch.nn.Module:
+    """A timm model (no pretrained weights) converted at ``key_dim`` (default: full rank)."""
     torch.manual_seed(0)
-    return collab_vit.reparametrize(perturbed(timm.create_model(name, **TINY, **kwargs)), progress=False)
+    return collab_vit.reparametrize(perturbed(timm.create_model(name, **TINY, **kwargs)), key_dim, progress=False)
 
 
 def reloaded(path: Path) -> torch.nn.Module:
@@ -48,21 +55,39 @@ def assert_same_outputs(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(a(x), b(x))
 
 
+SMALL = dict(embed_dim=64, num_heads=4)
+CONVERTED = "collab_vit_converted"
 CASES = {  # model, the architecture the folder must name
     "registered, per-layer key dims": (
-        lambda: perturbed(timm.create_model("collab_deit_tiny_patch16_224", key_dim=[48, 96], **TINY)),
-        "collab_deit_tiny_patch16_224"),
-    "timm DeiT converted": (lambda: converted("deit_tiny_patch16_224"), "collab_deit_tiny_patch16_224"),
+        lambda: perturbed(timm.create_model("collab_deit_tiny_patch16_224", key_dim=[48, 96], conversion_method="cp",
+                                            conversion_options=dict(dtype=torch.float64), **TINY)),
+        "collab_deit_tiny_patch16_224"),  # how standard weights would convert on load: not recorded
+    "timm DeiT converted": (lambda: converted("deit_tiny_patch16_224", key_dim=[32, 48], **SMALL),
+                            "collab_deit_tiny_patch16_224"),
     "DeiT-III style (layer scale, no class-token position)": (
-        lambda: converted("deit3_small_patch16_224", no_embed_class=True), "collab_vit_generic"),
+        lambda: converted("deit3_small_patch16_224", no_embed_class=True, **SMALL), CONVERTED),
+    "ViT, class token and registers": (lambda: converted("vit_small_patch16_224", reg_tokens=2, **SMALL), CONVERTED),
     "registers, average pool, no class token": (
-        lambda: converted("vit_small_patch16_224", reg_tokens=2, class_token=False, global_pool="avg"),
-        "collab_vit_generic"),
-    "CLIP style (pre-norm, eps 1e-5)": (lambda: converted("vit_base_patch16_clip_224", embed_dim=64, num_heads=4),
-                                        "collab_vit_generic"),
+        lambda: converted("vit_small_patch16_224", key_dim=32, reg_tokens=2, class_token=False, global_pool="avg",
+                          **SMALL), CONVERTED),
+    "CLIP style (pre-norm, eps 1e-5)": (lambda: converted("vit_base_patch16_clip_224", **SMALL), CONVERTED),
+    "distilled DeiT (distillation token)": (
+        lambda: converted("deit_tiny_distilled_patch16_224", key_dim=[16, 48], **SMALL), CONVERTED),
+    "BEiT (relative position bias)": (lambda: converted("beit_base_patch16_224", key_dim=[16, 48], **SMALL),
+                                      CONVERTED),
+    "EVA without rope (fused qkv, q/v biases)": (
+        lambda: converted("eva_giant_patch14_224", key_dim=32, qkv_bias=True, embed_dim=96, num_heads=4), CONVERTED),
+    "EVA without rope (separate q/k/v, scale norm)": (
+        lambda: converted("eva_giant_patch14_224", qkv_fused=False, scale_attn_inner=True, **SMALL), CONVERTED),
+    "parallel blocks (two attentions per block)": (
+        lambda: converted("vit_small_patch16_18x2_224", key_dim=[16, 24, 32, 48], **SMALL), CONVERTED),
     "cut attention": (lambda: perturbed(timm.create_model("concat_deit_tiny_patch16_224_k48", **TINY)),
                       "concat_deit_tiny_patch16_224_k48"),
 }
+
+
+def key_dims(model: torch.nn.Module) -> dict[str, int]:
+    return {name: m.key_dim for name, m in model.named_modules() if hasattr(m, "key_dim")}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -70,15 +95,86 @@ def test_local_dir_round_trip_is_bit_identical(case: str, tmp_path: Path) -> Non
     make, architecture = CASES[case]
     model = make()
     assert collab_vit.save_pretrained(model, str(tmp_path / "m")) == architecture
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert config["architecture"] == architecture and (tmp_path / "m" / "model.safetensors").is_file()
-    key_dims = [b.attn.key_dim for b in model.blocks]
-    assert config["model_args"]["key_dim"] in (key_dims, key_dims[0])
+    assert config["architecture"] == architecture
+    args = config["model_args"]
+    if architecture == CONVERTED:  # the source's name and arguments, each layer's class and key dim
+        assert args["source_model"] == model.pretrained_cfg["architecture"]
+        recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items()}
+        assert recorded["img_size"] == (32, 32) and recorded["num_classes"] == 7
+        assert {k: v for k, v in model._model_args.items() if k != "img_size"}.items() <= recorded.items()
+        assert args["collaborative_layers"] == {
+            name: {"layer": type(m).__name__, "key_dim": m.key_dim} for name, m in model.named_modules()
+            if isinstance(m, CollaborativeAttention)}
+    else:
+        assert args["key_dim"] in (list(key_dims(model).values()), next(iter(key_dims(model).values())))
     assert config["pretrained_cfg"]["crop_pct"] == model.pretrained_cfg["crop_pct"]  # the source's evaluation
     again = reloaded(tmp_path / "m")
-    assert type(again) is CollabVisionTransformer
-    assert [b.attn.key_dim for b in again.blocks] == key_dims
+    assert type(again) is type(model)
+    assert key_dims(again) == key_dims(model)
     assert_same_outputs(model, again)
+
+
+def test_folder_written_by_version_0_2_still_loads(tmp_path: Path) -> None:
+    """``tests/data/hub_v0.2``: a converted ViT (registers, layer scale, key dims 16 and 24) saved by version 0.2
+    (``collab_vit_generic`` and ``VisionTransformer`` keywords; ``tests/data/write_hub_v0.2.py``), with the logits
+    it gave on a fixed input when it was written; saved again, it keeps its format."""
+    assert json.loads((DATA / "hub_v0.2" / "config.json").read_text())["architecture"] == "collab_vit_generic"
+    expected = load_file(str(DATA / "hub_v0.2_expected.safetensors"))
+    model = reloaded(DATA / "hub_v0.2")
+    assert list(key_dims(model).values()) == [16, 24]
+    with torch.no_grad():
+        assert torch.equal(model(expected["input"]), expected["logits"])
+    assert collab_vit.save_pretrained(model, str(tmp_path / "again")) == "collab_vit_generic"
+    with torch.no_grad():
+        assert torch.equal(reloaded(tmp_path / "again")(expected["input"]), expected["logits"])
+
+
+def test_loading_unpickles_nothing_and_refuses_odd_records(tmp_path: Path, monkeypatch) -> None:
+    """A folder is ``config.json`` (JSON) and ``model.safetensors``: reloading it never calls ``torch.load`` or
+    pickle; a record naming anything but a timm model, or a layer its source does not become, is one line."""
+    model = converted("beit_base_patch16_224", key_dim=16, **SMALL)
+    collab_vit.save_pretrained(model, str(tmp_path / "m"))
+    for module, name in ((torch, "load"), (pickle, "load"), (pickle, "loads")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("unpickled while loading a folder"))
+    assert_same_outputs(model, reloaded(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    layers = config["model_args"]["collaborative_layers"]
+    for key, value, message in (
+            ("source_model", "hf-hub:someone/model", "needs source_model"),
+            ("source_model", "collab_vit_converted", "needs source_model"),
+            ("collaborative_layers", {**layers, "blocks.0.attn": {"layer": "CollaborativeAttention", "key_dim": 16}},
+             "the record makes blocks.0.attn a CollaborativeAttention"),
+            ("collaborative_layers", {"blocks.0.attn": layers["blocks.0.attn"]}, "the record names")):
+        folder = tmp_path / f"tampered_{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tmp_path / "m", folder)
+        (folder / "config.json").write_text(json.dumps({**config, "model_args": {**config["model_args"], key: value}}))
+        with pytest.raises(ValueError, match=message) as error:
+            reloaded(folder)
+        assert "\n" not in str(error.value)
+
+
+def test_source_given_or_read_from_the_model(tmp_path: Path) -> None:
+    """Without ``source=``, the model's own record (the architecture of its ``pretrained_cfg`` and the arguments
+    ``timm.create_model`` noted); where that is not enough, one line and nothing written; ``source=`` then saves."""
+    kwargs = dict(TINY, **SMALL, reg_tokens=1)
+    torch.manual_seed(0)
+    by_function = collab_vit.reparametrize(perturbed(vision_transformer.vit_tiny_patch16_224(**kwargs)), 32,
+                                           progress=False)  # built without timm.create_model: no arguments noted
+    torch.manual_seed(0)
+    by_hand = collab_vit.reparametrize(perturbed(VisionTransformer(**kwargs)), 32, progress=False)  # no cfg at all
+    for model, message in ((by_function, "cannot rebuild this"), (by_hand, "does not say which timm model")):
+        with pytest.raises(ValueError, match=message) as error:
+            collab_vit.save_pretrained(model, str(tmp_path / "refused"))
+        assert "\n" not in str(error.value) and "source=" in str(error.value)
+        assert not (tmp_path / "refused").exists()
+        with pytest.raises(ValueError, match="its weights differ at"):  # a source that is not the model's (width)
+            collab_vit.save_pretrained(model, str(tmp_path / "refused"), source=("vit_tiny_patch16_224", TINY))
+        assert not (tmp_path / "refused").exists()
+        folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        assert collab_vit.save_pretrained(model, str(folder), source=("vit_tiny_patch16_224", kwargs)) == CONVERTED
+        assert_same_outputs(model, reloaded(folder))
 
 
 def test_data_config_is_saved_and_reloaded(tmp_path: Path) -> None:
@@ -100,7 +196,7 @@ def no_decay_names(model: torch.nn.Module) -> set[str]:
 def test_mixing_out_of_decay_for_any_converted_model(tmp_path: Path) -> None:
     """A plain timm ViT converted in place, and its reload: mixing not decayed; the content bias (a projection
     weight, ``layers/weight_decay.py``) and the shared query/key projections decayed."""
-    model = converted("vit_small_patch16_224", reg_tokens=1)
+    model = converted("vit_small_patch16_224", reg_tokens=1, **SMALL)
     collab_vit.save_pretrained(model, str(tmp_path / "m"))
     for candidate in (model, reloaded(tmp_path / "m")):
         names = no_decay_names(candidate)
@@ -161,7 +257,7 @@ class OfflineHub:
 def test_push_to_hf_hub_publishes_the_saved_folder(tmp_path: Path, monkeypatch) -> None:
     """``collab_vit.push_to_hf_hub`` uploads what ``save_pretrained`` writes (the hub itself is offline here)."""
     monkeypatch.setattr(_hub, "HfApi", OfflineHub)
-    model = converted("vit_small_patch16_224", reg_tokens=1)
+    model = converted("vit_small_patch16_224", reg_tokens=1, **SMALL)
     collab_vit.save_pretrained(model, str(tmp_path / "m"))
     collab_vit.push_to_hf_hub(model, "user/model")
     assert set(OfflineHub.uploaded) == {"config.json", "model.safetensors"}
@@ -183,7 +279,7 @@ def test_model_name_local_dir_builds_the_folders_architecture(tmp_path: Path) ->
     from collab_vit.training.errors import ConfigError
     from collab_vit.training.model_factory import build_model
 
-    model = converted("vit_small_patch16_224", reg_tokens=1)
+    model = converted("vit_small_patch16_224", reg_tokens=1, **SMALL)
     collab_vit.save_pretrained(model, str(tmp_path / "m"))
     fresh = build_model(f"local-dir:{tmp_path / 'm'}", 7, 32).eval()
     load_weights(fresh, str(tmp_path / "m"))

@@ -59,7 +59,7 @@ def test_reparametrize_errors() -> None:
 
 
 def test_registry_lists_every_model() -> None:
-    assert set(timm.list_models("*collab*")) == set(COLLAB_MODELS) | {GENERIC_MODEL}
+    assert set(timm.list_models("*collab*")) == set(COLLAB_MODELS) | {GENERIC_MODEL, "collab_vit_converted"}
     assert set(timm.list_models("concat_*")) == set(CONCAT_MODELS)
     assert len(COLLAB_MODELS) == 12 and len(CONCAT_MODELS) == 9
 

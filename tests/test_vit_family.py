@@ -20,9 +20,6 @@ from collab_vit.conversion import reparam
 from numerics import U32, assert_within
 
 README = Path(__file__).parents[1] / "README.md"
-NOT_SAVED = {"DeiT distilled (distillation token)", "parallel blocks (two attentions per block)",
-             "BEiT (relative position bias, layer scale)", "EVA-01 (no rope, fused qkv with q/v biases)",
-             "EVA, separate q/k/v projections, scale norm"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,11 +61,7 @@ def test_readme_table_lists_what_the_command_covers_within_bounds() -> None:
 def test_exact_at_full_rank_and_reloaded_by_timm(label: str) -> None:
     exact = vit_family.full_rank(label)
     assert_within(exact.got, exact.ref, exact.k, what=label)
-    reload = vit_family.reload_check(exact.converted)
-    if label in NOT_SAVED:
-        assert reload.startswith("refused: ") and "\n" not in reload
-    else:
-        assert reload == "bit-identical"
+    assert vit_family.reload_check(exact.converted) == "bit-identical"  # every design that converts
     assert bool(exact.kept) == ("SigLIP" in label)
     if "BEiT" in label:  # the relative position bias carried over: without it the logits differ
         for block in exact.converted.blocks:
@@ -185,7 +178,8 @@ def in_memory(key_dim: int) -> torch.nn.Module:
 
 def test_convert_cli_any_timm_model_to_a_folder_and_a_file(siglip_file, tmp_path: Path) -> None:
     path, flags = siglip_file
-    base = ["convert", "--model", "vit_base_patch16_siglip_224", "--checkpoint", str(path), "--model-kwargs", *flags,
+    name = "vit_base_patch16_siglip_224"
+    base = ["convert", "--model", name, "--checkpoint", str(path), "--model-kwargs", *flags,
             "--key-dim", "24", "--method", "cp"]
     assert cli_main(base + ["--out", str(tmp_path / "folder")]) == 0
     assert sorted(p.name for p in (tmp_path / "folder").iterdir()) == ["config.json", "conversion.json",
@@ -200,12 +194,13 @@ def test_convert_cli_any_timm_model_to_a_folder_and_a_file(siglip_file, tmp_path
     assert cli_main(base + ["--out", str(tmp_path / "m.safetensors")]) == 0
     from collab_vit.weights_io import read_weights
     state, meta = read_weights(str(tmp_path / "m.safetensors"))
-    assert meta["model_name"] == "collab_vit_generic" and meta["model_kwargs"]["key_dim"] == 24
+    assert meta["model_name"] == "collab_vit_converted" and meta["model_kwargs"]["source_model"] == name
+    assert [layer["key_dim"] for layer in meta["model_kwargs"]["collaborative_layers"].values()] == [24, 24]
     rebuilt = timm.create_model(meta["model_name"], **meta["model_kwargs"]).eval()
     rebuilt.load_state_dict(state)
     assert torch.equal(vit_family.logits(rebuilt, x), vit_family.logits(expected, x))
     assert json.loads((tmp_path / "m.json").read_text())["kept"] == report["kept"]
-    from_file = timm.create_model("collab_vit_generic", pretrained=True,  # the file alone, as the README says
+    from_file = timm.create_model("collab_vit_converted", pretrained=True,  # the file alone, as the README says
                                   pretrained_cfg_overlay=dict(file=str(tmp_path / "m.safetensors"))).eval()
     assert torch.equal(vit_family.logits(from_file, x), vit_family.logits(expected, x))
     assert tuple(from_file.pretrained_cfg["input_size"]) == (3, 32, 32)
@@ -215,7 +210,7 @@ def test_convert_cli_any_timm_model_to_a_folder_and_a_file(siglip_file, tmp_path
     data = make_image_folder(tmp_path / "data", classes=10, train_per_class=1, val_per_class=1, size=32)
     results = [run(parse_args(["--checkpoint", str(tmp_path / out), "--data-dir", str(data), "--workers", "0"]))
                for out in ("m.safetensors", "folder")]  # eval.py takes both, and scores them alike
-    assert results[0]["model"] == results[1]["model"] == "collab_vit_generic"
+    assert results[0]["model"] == results[1]["model"] == "collab_vit_converted"
     assert results[0]["top1"] == results[1]["top1"] and results[0]["data_config"] == results[1]["data_config"]
 
 
@@ -259,18 +254,26 @@ def test_beit_attention_rewritten_as_timm_attention_is_the_same_function() -> No
                               attention_chain(64, 64, 17), torch.float64, what=f"fused={fused}")
 
 
-def test_convert_cli_refuses_a_design_it_cannot_write_before_downloading(tmp_path: Path, capsys, monkeypatch) -> None:
-    """BEiT and the distilled DeiT convert in Python, but no registered entry point rebuilds them: refused before
-    any download."""
-    monkeypatch.setattr(timm.models._builder, "load_pretrained",
-                        lambda *a, **k: pytest.fail("downloaded weights of a model it refuses"))
-    for name in ("beit_base_patch16_224", "deit_tiny_distilled_patch16_224"):
-        with pytest.raises(SystemExit) as exit_info:
-            cli_main(["convert", "--model", name, "--key-dim", "16", "--out", str(tmp_path / "b")])
-        err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2 and "\n" not in err
-        assert f"{name} converts (collab_vit.reparametrize_layers) but cannot be written" in err
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize("label", ["BEiT (relative position bias, layer scale)", "DeiT distilled (distillation token)"])
+def test_convert_cli_writes_any_design_that_converts(label: str, tmp_path: Path) -> None:
+    """Designs version 0.2 could not write (BEiT, the distilled DeiT): ``collab-vit convert`` writes
+    the folder and the file, recorded as their source; both reload to the in-memory conversion, bit for bit."""
+    name, kwargs = vit_family.CASES[label]
+    source = vit_family.create(name, kwargs)
+    torch.save(source.state_dict(), tmp_path / "source.pth")
+    flags = ["--model-kwargs", *(f"{k}={v}" for k, v in {**vit_family.SMALL, **kwargs}.items())]
+    base = ["convert", "--model", name, "--checkpoint", str(tmp_path / "source.pth"), *flags, "--key-dim", "16"]
+    assert cli_main(base + ["--out", str(tmp_path / "folder")]) == 0
+    assert cli_main(base + ["--out", str(tmp_path / "m.safetensors")]) == 0
+    collab_vit.reparametrize_layers(source, key_dim=16, progress=False)
+    x = vit_family.images(3, seed=2)
+    config = json.loads((tmp_path / "folder" / "config.json").read_text())
+    assert config["architecture"] == "collab_vit_converted" and config["model_args"]["source_model"] == name
+    from_folder = timm.create_model(f"local-dir:{tmp_path / 'folder'}", pretrained=True).eval()
+    from_file = timm.create_model("collab_vit_converted", pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(tmp_path / "m.safetensors"))).eval()
+    for again in (from_folder, from_file):
+        assert torch.equal(vit_family.logits(again, x), vit_family.logits(source, x))
 
 
 def test_spectrum_of_beit_and_eva_layers_reads_their_timm_form() -> None:

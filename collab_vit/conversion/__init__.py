@@ -3,7 +3,8 @@
 ``decompose`` (tensor math) <- ``calibration`` (token statistics and whitening of the data-aware conversion),
 ``capture`` (the tokens each layer sees), ``refine`` (label-free logit matching) <- ``reparam`` (layers and whole
 models) <- ``pretrained`` (timm weights converted on load) and ``files`` (``collab-vit convert`` / ``analyze``);
-``spectrum`` measures how much the heads share (section 3.1).
+``spectrum`` measures how much the heads share (section 3.1); ``record`` says what a converted model's file or folder
+records (its source) and rebuilds the model from it.
 """
 from .reparam import ConversionReport, LayerReport, reparametrize, reparametrize_attention, reparametrize_layers
 

@@ -8,7 +8,6 @@ and keyword arguments, which are then used as they are (any size, image size, ch
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -18,19 +17,9 @@ import torch.nn as nn
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
 from ..weights_io import atomic_write, export_safetensors, model_pipeline, read_weights
 from .calibration import DEFAULT_RIDGE, calibration_images
+from .record import converted_record, rebuild_problem
 from .reparam import LayerReport, probe_input_size, reparametrize_layers
-from .support import Support, check_model, hub_design_problem
-
-DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
-
-
-def collaborative_name(source: str) -> str:
-    """Registered collaborative model for a timm DeiT name; a one-line error for anything else."""
-    match = DEIT_NAME.match(source)
-    if not match:
-        raise ValueError(f"{source!r} is not one of timm's deit_{{tiny,small,base}}_patch16_224")
-    return f"collab_deit_{match.group(1)}_patch16_224"
-
+from .support import Support, check_model
 
 
 def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kwargs: Optional[dict[str, Any]] = None
@@ -103,9 +92,6 @@ def format_report(reports: list[LayerReport]) -> str:
     return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
 
 
-Describe = Callable[[nn.Module], tuple[str, dict[str, Any]]]
-
-
 def output_kind(out: Path) -> str:
     """``"file"`` for ``X.safetensors``, ``"folder"`` for a folder path (timm's hub layout); else a one-line error."""
     if out.suffix == ".safetensors":
@@ -127,36 +113,23 @@ def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None)
         skeleton = _create(model_name, dict(model_kwargs or {}), device="meta")
     except NotImplementedError:  # an init that needs real tensors
         skeleton = _create(model_name, dict(model_kwargs or {}))
-    return check_design(skeleton, model_name)
-
-
-def check_design(model: nn.Module, model_name: str) -> Support:
-    """``check_model``, and for a model other than timm's DeiTs whether its converted design can be recorded (the
-    file or folder names ``collab_vit_generic``): a one-line ``ValueError`` before any work."""
-    support = check_model(model)
-    problem = None if DEIT_NAME.match(model_name) else hub_design_problem(model)
-    if problem is not None:
-        raise ValueError(f"{model_name} converts (collab_vit.reparametrize_layers) but cannot be written as a file or "
-                         f"folder: {problem}")
-    return support
+    return check_model(skeleton)
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
-                    describe: Optional[Describe] = None,
-                    save_folder: Optional[Callable[[nn.Module, str, dict[str, Any]], Any]] = None,
-                    **options) -> list[LayerReport]:
+                    save_folder: Optional[Callable[..., Any]] = None, **options) -> list[LayerReport]:
     """Convert, then write ``out``: a ``.safetensors`` file (name, key dims and errors in its metadata) and a JSON
-    sidecar, or, for a folder path, ``save_folder(model, out, data_config)`` (timm's hub layout) with the report in
-    ``out/conversion.json``.
+    sidecar, or, for a folder path, ``save_folder(model, out, data_config, source)`` (``collab_vit.save_pretrained``:
+    timm's hub layout) with the report in ``out/conversion.json``.
 
     Any timm model whose attention layers convert (``support.py``); the architecture is checked without weights
-    before anything is downloaded or written. The file records the collaborative model's name and keyword
-    arguments (for a timm DeiT: ``collab_deit_*`` with the source's keywords, see :func:`load_source`, plus one key
-    dim per layer; for any other model: ``describe(model)``, e.g. ``hub.checked_description``) and the source's
-    evaluation data config, so ``eval.py`` and ``timm.create_model(..., pretrained_cfg_overlay=dict(file=out))``
-    rebuild the converted model from the file alone. ``calibration(source_model, metadata)`` gives calibration
+    before anything is downloaded or written. The file records the collaborative model as its source
+    (``record.py``: the source's name and keyword arguments, see :func:`load_source`, and each layer's class and key
+    dim; a timm DeiT as ``collab_deit_*``) and the source's evaluation data config, so ``eval.py`` and
+    ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model
+    from the file alone. ``calibration(source_model, metadata)`` gives calibration
     images (data-aware conversion, ``options`` as ``reparametrize_layers``'); nothing is written when they are bad.
     ``device`` runs the model's forward passes and the refinement there (the decompositions run on the CPU).
     """
@@ -166,11 +139,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     if model_name:
         check_source(model_name, model_kwargs)  # an unsupported model fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
-    support = check_design(model, model_name)
-    deit = DEIT_NAME.match(model_name)
-    if kind == "file" and not deit and describe is None:
-        raise ValueError(f"{model_name}: a .safetensors output of a model other than timm's DeiTs needs describe "
-                         f"(collab_vit.hub.checked_description)")
+    support = check_model(model)
     model.to(device)
     if calibration is not None:
         options["calibration"] = calibration(model, meta)
@@ -182,17 +151,15 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     data_config = meta.get("data_config") or model_pipeline(model)
     model.cpu()
     if kind == "folder":
-        save_folder(model, str(out), data_config)
+        save_folder(model, str(out), data_config, (model_name, source_kwargs))
         text = json.dumps({"source_model": model_name, **info}, indent=2)
         atomic_write(str(out / "conversion.json"), lambda tmp: Path(tmp).write_text(text))
         return reports
-    if deit:
-        target = collaborative_name(model_name)
-        model_kwargs = {**source_kwargs, "key_dim": [r.key_dim for r in reports]}
-        if model.num_classes != 1000:
-            model_kwargs["num_classes"] = model.num_classes
-    else:
-        target, model_kwargs = describe(model)
+    args = {**source_kwargs, "num_classes": model.num_classes} if model.num_classes != 1000 else source_kwargs
+    target, model_kwargs = converted_record(model, model_name, args)
+    why = rebuild_problem(model, target, model_kwargs)
+    if why is not None:  # a bug of the record: nothing is written
+        raise ValueError(f"{model_name} converted but its record does not rebuild it: {why}")
     extra: dict[str, Any] = {"conversion": info, "data_config": data_config}
     out.parent.mkdir(parents=True, exist_ok=True)
     export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra=extra)

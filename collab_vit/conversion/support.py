@@ -28,12 +28,10 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent
-from timm.models import VisionTransformer
-from timm.models.vision_transformer import Block
 
 from ..layers.attention import CollaborativeAttention, ConcatAttention
 from ..layers.forms import EvaFormAttention, RelPosAttention
-from ..layers.weight_decay import MixingNoDecay, exclude_mixing_from_decay
+from ..layers.weight_decay import exclude_mixing_from_decay
 from . import forms
 from .forms import GATED, QK_NORM, eva_reason, is_beit_attention, is_eva_attention, prepare
 
@@ -136,20 +134,6 @@ def attention_forms(model: nn.Module) -> list[tuple[str, Attention]]:
     """:func:`check_model`'s layers, each in timm ``Attention``'s form: BEiT / EVA layers not yet swapped by
     ``forms.prepare`` are given as their rewritten copies (for reading, e.g. the spectrum; the model is unchanged)."""
     return [(name, forms.rewrite(module, model) or module) for name, module in check_model(model).layers]
-
-
-def hub_design_problem(model: nn.Module) -> Optional[str]:
-    """Why ``collab_vit_generic`` (``save_pretrained``, a converted file) cannot rebuild ``model``'s design whatever
-    its attention: not a timm ``VisionTransformer`` of timm ``Block``s; None when it may."""
-    if not isinstance(model, VisionTransformer):
-        return f"save_pretrained takes a timm VisionTransformer, got {type(model).__name__}"
-    source = next(c for c in type(model).__mro__ if not issubclass(c, MixingNoDecay))  # the class before conversion
-    if source is not VisionTransformer:
-        return f"{source.__name__} is a subclass of VisionTransformer that collab_vit_generic does not rebuild"
-    odd = sorted({type(block).__name__ for block in model.blocks if not isinstance(block, Block)})
-    if odd:
-        return f"blocks of class {', '.join(odd)} are not ones collab_vit_generic rebuilds"
-    return None
 
 
 def kept_text(kept: dict[str, str]) -> str:
