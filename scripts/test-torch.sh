@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole suite on another torch release: bash scripts/test-torch.sh TORCH TORCHVISION [pytest args ...]
-# e.g. TIMM=1.0.26 bash scripts/test-torch.sh 2.9.1 0.24.1   (the floors in pyproject.toml; README "Supported versions")
+# e.g. bash scripts/test-torch.sh 2.9.1 0.24.1   (the floors in pyproject.toml; README "Supported versions")
 #
 # Creates (or reuses) .venv-torch-TORCH/, installs that torch and torchvision first, then the package with its test
 # extras (and timm==$TIMM when TIMM is set), and fails if that install brought another torch (pyproject.toml
