@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 
 from .conversion.reparam import METHODS, reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
+from .weights_io import WriteError, one_line
 
 
 @dataclass
@@ -262,13 +265,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt (not an Exception: nothing swallows it)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry. Bad input is one line, exit 2; a failed write (a full disk) one line, exit 1; SIGINT / SIGTERM
+    one line, exit 130 / 143. Every output is written all or none (``weights_io``), so none is left half written."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    name = f"collab-vit {args.command}"
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        parser.exit(2, f"collab-vit {args.command}: error: {error}\n")
+    except WriteError as error:
+        parser.exit(1, f"{name}: error: {error}\n")
+    except (ValueError, OSError, RuntimeError) as error:
+        parser.exit(2, f"{name}: error: {one_line(error)}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{name}: interrupted (SIGINT)\n")
+    except Terminated:
+        parser.exit(143, f"{name}: terminated (SIGTERM)\n")
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
     return 0
 
 

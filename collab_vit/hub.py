@@ -1,6 +1,6 @@
 """Collaborative models in timm's own hub format: ``save_pretrained`` writes a folder timm loads by itself.
 
-``save_pretrained(model, DIR)`` writes, through timm's ``save_for_hf``, ``DIR/config.json`` (``architecture``: a
+``save_pretrained(model, DIR)`` writes, as timm's ``save_for_hf`` does, ``DIR/config.json`` (``architecture``: a
 registered entry point; ``model_args``: its keywords; ``pretrained_cfg``: the evaluation pipeline the model carries,
 i.e. its source's) and ``DIR/model.safetensors``. After ``import collab_vit``,
 ``timm.create_model("local-dir:DIR", pretrained=True)`` rebuilds the model with identical outputs;
@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch.nn as nn
 from timm.layers import Attention
-from timm.models import get_model_args, push_to_hf_hub as timm_push_to_hf_hub, save_for_hf
+from timm.models import get_model_args, push_to_hf_hub as timm_push_to_hf_hub
+from timm.models._hub import save_config_for_hf
 
 from .conversion.forms import is_beit_attention, is_eva_attention
 from .conversion.record import CONVERTED_MODEL, LAYERS, converted_record, layer_record, rebuild_problem
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import OWN_MODELS
-from .weights_io import EVAL_KEYS, HUB_CONFIG, HUB_WEIGHTS
+from .weights_io import (EVAL_KEYS, HUB_CONFIG, HUB_OUTPUT, HUB_WEIGHTS, check_output_folder, safetensors_writer,
+                         write_file, write_folder)
 
 Source = tuple[str, dict[str, Any]]  # a timm model name and the keyword arguments it was created with
 TRAITS = ("img_size", "in_chans", "num_classes", "global_pool")  # what timm's save_for_hf adds from the model
@@ -120,30 +120,26 @@ def _described(model: nn.Module, data_config: Optional[dict[str, Any]], source: 
 
 
 def save_pretrained(model: nn.Module, directory: str, data_config: Optional[dict[str, Any]] = None,
-                    source: Optional[Source] = None) -> str:
+                    source: Optional[Source] = None, files: Optional[dict[str, str]] = None) -> str:
     """Write ``model`` to ``directory`` in timm's hub layout (module docstring); returns the architecture name.
 
     ``data_config`` (keys of timm's data config: ``input_size``, ``crop_pct``, ``crop_mode``, ``interpolation``,
     ``mean``, ``std``) replaces those of the model's ``pretrained_cfg`` (its source's evaluation). ``source``: the
-    timm name and keyword arguments the converted model was created with (default: the model's own record). A model
-    its record cannot rebuild is a one-line ``ValueError`` and nothing is written. The folder appears whole
-    (written beside it, then renamed); files of an existing folder are replaced one by one.
+    timm name and keyword arguments the converted model was created with (default: the model's own record). ``files``
+    (name -> text) are written beside the weights (``collab-vit convert``'s ``conversion.json``). A model its record
+    cannot rebuild is a one-line ``ValueError`` and nothing is written. The folder is written all or none
+    (``weights_io.write_folder``: staged beside it, then renamed; a full disk is a one-line ``WriteError``); an
+    existing folder may hold only an earlier output (``HUB_OUTPUT``), which is replaced, never other files.
     """
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"save_pretrained: {directory} exists and is not a folder")
+    check_output_folder(directory, HUB_OUTPUT)
     with _described(model, data_config, source) as args:
-        parent = os.path.dirname(os.path.abspath(directory))
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(directory))}.", dir=parent)
-        try:
-            save_for_hf(model, staging, model_args=args, safe_serialization=True)
-            if not os.path.exists(directory):
-                os.rename(staging, directory)
-            else:
-                for file in (HUB_WEIGHTS, HUB_CONFIG):
-                    os.replace(os.path.join(staging, file), os.path.join(directory, file))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        def fill(staging: str) -> None:  # what timm's save_for_hf writes, through weights_io's writers
+            write_file(os.path.join(staging, HUB_WEIGHTS), safetensors_writer(model.state_dict()))
+            save_config_for_hf(model, os.path.join(staging, HUB_CONFIG), model_args=args)
+            for name, text in (files or {}).items():
+                write_file(os.path.join(staging, name), lambda f, t=text: f.write(t.encode()))
+
+        write_folder(directory, fill, HUB_OUTPUT)
         return model.pretrained_cfg["architecture"]
 
 

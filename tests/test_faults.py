@@ -267,7 +267,7 @@ def test_written_files_follow_the_umask(tmp_path):
     permissions a plain open/makedirs gives, so that a group can read a run's checkpoints."""
     from collab_vit.weights_io import atomic_write, current_umask
     mask = current_umask()
-    atomic_write(str(tmp_path / 'a.txt'), lambda tmp: open(tmp, 'w').write('x'))
+    atomic_write(str(tmp_path / 'a.txt'), lambda f: f.write(b'x'))
     assert (tmp_path / 'a.txt').stat().st_mode & 0o777 == 0o666 & ~mask
     ensure_digits(str(tmp_path / 'digits'), size=8)
     assert (tmp_path / 'digits').stat().st_mode & 0o777 == 0o777 & ~mask

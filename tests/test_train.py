@@ -102,8 +102,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     save_checkpoint({'w': torch.ones(3)}, str(path))
 
     def broken_save(obj, f, *args, **kwargs):
-        with open(f, 'wb') as fh:
-            fh.write(b'partial')
+        f.write(b'partial')
         raise OSError('disk full')
 
     monkeypatch.setattr(torch, 'save', broken_save)
@@ -119,7 +118,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_atomic_write_replaces(tmp_path):
     path = tmp_path / 'a.txt'
     for text in ('one', 'two'):
-        atomic_write(str(path), lambda tmp, t=text: open(tmp, 'w').write(t))
+        atomic_write(str(path), lambda f, t=text: f.write(t.encode()))
     assert path.read_text() == 'two' and os.listdir(tmp_path) == ['a.txt']
 
 

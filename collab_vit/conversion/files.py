@@ -15,10 +15,10 @@ import timm
 import torch.nn as nn
 
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
-from ..weights_io import atomic_write, export_safetensors, model_pipeline, read_weights
+from ..weights_io import HUB_OUTPUT, check_output_folder, export_writer, model_pipeline, read_weights, write_together
 from .calibration import DEFAULT_RIDGE, calibration_images
 from .record import converted_record, rebuild_problem
-from .reparam import LayerReport, probe_input_size, reparametrize_layers
+from .reparam import LayerReport, probe_input_size, reparametrize_layers, timm_attention_layers
 from .support import Support, check_model
 
 
@@ -92,6 +92,18 @@ def format_report(reports: list[LayerReport]) -> str:
     return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
 
 
+def check_key_dims(key_dim: Union[None, int, float, list[int]], model: nn.Module) -> None:
+    """A one-line ValueError for a key dim beyond a layer's full rank ``num_heads * head_dim``: the conversion is
+    exact there, and a larger one only adds zero columns (docs/math.md)."""
+    layers = timm_attention_layers(model)
+    dims = key_dim if isinstance(key_dim, list) else [key_dim] * len(layers)
+    for (name, attn), dim in zip(layers, dims):
+        full = attn.num_heads * attn.head_dim
+        if isinstance(dim, int) and not isinstance(dim, bool) and dim > full:
+            raise ValueError(f"--key-dim {dim} is beyond the full rank {full} of {name} (num_heads x head_dim): the "
+                             f"conversion is exact at {full}, a larger key dim only adds zero columns")
+
+
 def output_kind(out: Path) -> str:
     """``"file"`` for ``X.safetensors``, ``"folder"`` for a folder path (timm's hub layout); else a one-line error."""
     if out.suffix == ".safetensors":
@@ -102,6 +114,7 @@ def output_kind(out: Path) -> str:
         raise ValueError(f"--out must be a .safetensors file or a folder (timm's hub layout), got {out}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
+    check_output_folder(str(out), HUB_OUTPUT)  # an earlier output is replaced; other files are never mixed in
     return "folder"
 
 
@@ -121,8 +134,8 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
                     save_folder: Optional[Callable[..., Any]] = None, **options) -> list[LayerReport]:
     """Convert, then write ``out``: a ``.safetensors`` file (name, key dims and errors in its metadata) and a JSON
-    sidecar, or, for a folder path, ``save_folder(model, out, data_config, source)`` (``collab_vit.save_pretrained``:
-    timm's hub layout) with the report in ``out/conversion.json``.
+    sidecar, written together, or, for a folder path, ``save_folder(model, out, data_config, source, files)``
+    (``collab_vit.save_pretrained``: timm's hub layout) with the report in ``out/conversion.json``.
 
     Any timm model whose attention layers convert (``support.py``); the architecture is checked without weights
     before anything is downloaded or written. The file records the collaborative model as its source
@@ -140,6 +153,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         check_source(model_name, model_kwargs)  # an unsupported model fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
     support = check_model(model)
+    check_key_dims(key_dim, model)
     model.to(device)
     if calibration is not None:
         options["calibration"] = calibration(model, meta)
@@ -150,10 +164,9 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         info["calibration"] = reports.summary
     data_config = meta.get("data_config") or model_pipeline(model)
     model.cpu()
-    if kind == "folder":
-        save_folder(model, str(out), data_config, (model_name, source_kwargs))
+    if kind == "folder":  # written all or none, with its report (weights_io.write_folder)
         text = json.dumps({"source_model": model_name, **info}, indent=2)
-        atomic_write(str(out / "conversion.json"), lambda tmp: Path(tmp).write_text(text))
+        save_folder(model, str(out), data_config, (model_name, source_kwargs), {"conversion.json": text})
         return reports
     args = {**source_kwargs, "num_classes": model.num_classes} if model.num_classes != 1000 else source_kwargs
     target, model_kwargs = converted_record(model, model_name, args)
@@ -161,11 +174,9 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     if why is not None:  # a bug of the record: nothing is written
         raise ValueError(f"{model_name} converted but its record does not rebuild it: {why}")
     extra: dict[str, Any] = {"conversion": info, "data_config": data_config}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    export_safetensors(model.state_dict(), str(out), target, model_kwargs, extra=extra)
-    sidecar = out.with_suffix(".json")
     text = json.dumps({"model_name": target, "model_kwargs": model_kwargs, **info}, indent=2)
-    atomic_write(str(sidecar), lambda tmp: Path(tmp).write_text(text))
+    write_together({str(out): export_writer(model.state_dict(), target, model_kwargs, extra),  # all or none
+                    str(out.with_suffix(".json")): lambda f: f.write(text.encode())})
     return reports
 
 

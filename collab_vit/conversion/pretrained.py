@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from timm.layers import Attention
 from timm.models.vision_transformer import checkpoint_filter_fn
 
 from .. import _version
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import atomic_write
+from ..weights_io import atomic_write, safetensors_writer
 from .reparam import METHODS, reparametrize_attention
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
@@ -147,7 +147,7 @@ def load_or_convert(path: Path, convert: Callable[[], dict[str, torch.Tensor]],
             if path.is_file():
                 return load_file(str(path))
             part = convert()
-            atomic_write(str(path), lambda tmp: save_file(part, tmp, metadata=metadata))
+            atomic_write(str(path), safetensors_writer(part, metadata))
             return part
     finally:
         if first:

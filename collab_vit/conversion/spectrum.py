@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from .calibration import DEFAULT_RIDGE, whitening
 from .capture import source_tokens
 from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
 from .reparam import timm_attention_layers
+from ..weights_io import atomic_write
 
 __all__ = [
     "THRESHOLDS",
@@ -142,8 +141,8 @@ def plot_spectra(spectra: list[LayerSpectrum], path: Path, title: str = "") -> P
     """PNG of cumulative energy vs number of dims, one line per layer coloured by depth (Figure 1 of section 3.1).
 
     Drawn with matplotlib's object-oriented API on an Agg canvas (no pyplot, no display, no global backend change),
-    with guides at 90 / 95 / 99 %. The file is written to a temporary file in the same directory and moved into
-    place with ``os.replace``, so readers never see a partial PNG.
+    with guides at 90 / 95 / 99 %. The file is written by ``weights_io.atomic_write`` (readers never see a partial
+    PNG; a full disk is a one-line ``WriteError``).
 
     Returns:
         ``path``.
@@ -186,14 +185,5 @@ def plot_spectra(spectra: list[LayerSpectrum], path: Path, title: str = "") -> P
             bar.set_ticks(range(0, len(spectra), math.ceil(len(spectra) / 12)))
     fig.tight_layout()
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp makes the file 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(str(path), lambda f: fig.savefig(f, format="png"))
     return path

@@ -42,7 +42,12 @@ IDENTITY_KEYS = ('model', 'model_kwargs', 'num_classes', 'img_size', 'in_chans')
 
 def save_checkpoint(state: Dict[str, Any], path: str) -> None:
     """Atomically ``torch.save`` a checkpoint dict."""
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def _copy(source: str, f) -> None:
+    with open(source, 'rb') as src:
+        shutil.copyfileobj(src, f)
 
 
 def load_checkpoint(path: str, map_location: str | torch.device = 'cpu') -> Any:
@@ -183,10 +188,7 @@ def repair_run_dir(output: str, ckpt: Dict[str, Any], checkpoint_every: int) -> 
         with open(log_path) as f:
             current = f.read()
     if text != current and (kept or current):
-        def write(tmp: str) -> None:
-            with open(tmp, 'w') as f:
-                f.write(text)
-        atomic_write(log_path, write)
+        atomic_write(log_path, lambda f: f.write(text.encode()))
         changed.append(f'log.jsonl ({len(kept)} epoch records)')
     if not at_boundary or epoch < 0:
         return changed
@@ -203,6 +205,6 @@ def repair_run_dir(output: str, ckpt: Dict[str, Any], checkpoint_every: int) -> 
         except (WeightsError, KeyError, TypeError):
             have = None
         if have != epoch:
-            atomic_write(path, lambda tmp: shutil.copyfile(last, tmp))
+            atomic_write(path, lambda f: _copy(last, f))
             changed.append(name)
     return changed

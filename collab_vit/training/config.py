@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from ..weights_io import atomic_write
 from .errors import ConfigError
 
 
@@ -254,6 +255,6 @@ def check_values(cfg: TrainConfig, where: str) -> None:
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:
-    """Write the resolved config as YAML (it loads back with :func:`build_config`)."""
-    with open(path, 'w') as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    """Write the resolved config as YAML, atomically (it loads back with :func:`build_config`)."""
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    atomic_write(path, lambda f: f.write(text.encode()))

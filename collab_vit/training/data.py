@@ -10,6 +10,7 @@ from PIL import Image
 from timm.data import FastCollateMixup, ImageDataset, Mixup, create_dataset, create_loader, resolve_data_config
 from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM, _search_split
 
+from ..weights_io import one_line
 from .compat import patch_timm_posterize
 from .config import TrainConfig
 from .distributed import DistInfo
@@ -46,11 +47,6 @@ def check_image_folder(root: str, split: str) -> None:
     raise DataError(f'no images found in data directory: {os.path.abspath(split_dir)}')
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 class CheckedImageDataset(ImageDataset):
     """timm's ``ImageDataset`` where an unreadable or truncated image is a :class:`DataError` naming the file,
     instead of timm's silent substitution of the next sample; with ``skip_bad`` it is replaced by the next readable
@@ -85,12 +81,12 @@ class CheckedImageDataset(ImageDataset):
             except (OSError, SyntaxError, ValueError) as e:  # PIL: unidentified, truncated or broken image data
                 path = self._path(index)
                 if not self.skip_bad:
-                    raise DataError(f'cannot read image {path}: {_first_line(e)} (set skip_bad_images: true to '
+                    raise DataError(f'cannot read image {path}: {one_line(e)} (set skip_bad_images: true to '
                                     f'skip unreadable images)') from None
                 self._bad[index] = 1
                 if path not in self._warned:
                     self._warned.add(path)
-                    print(f'warning: skipped unreadable image {path}: {_first_line(e)}', file=sys.stderr, flush=True)
+                    print(f'warning: skipped unreadable image {path}: {one_line(e)}', file=sys.stderr, flush=True)
                 index = (index + 1) % len(self.reader)
                 if index == first:
                     raise DataError(f'no readable image in {os.path.abspath(getattr(self.reader, "root", ""))}') \

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from ..weights_io import current_umask
+from ..weights_io import atomic_write, current_umask, write_error
 from .errors import DataError
 
 DIGITS_SIZE = 32  # pixels per side of the written images (upsampled from 8x8)
@@ -69,7 +69,7 @@ def ensure_digits(root: str, size: int = DIGITS_SIZE) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         if os.path.isfile(marker):  # another process finished first
             return root
-        raise DataError(f'cannot write the digits data set to {os.path.abspath(root)}: {e}') from None
+        raise write_error(e, root) from None  # a full disk: 'no space left on device writing <root>', nothing left
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -114,7 +114,8 @@ def prepare_fashion_mnist(root: str, source: Optional[str] = None) -> str:
     """Decompress (or copy) the IDX files from ``source`` (default: the Debian package's folder) into
     ``root/FashionMNIST/raw``; nothing is written when they are already there. Returns that folder.
 
-    Each file is written to a temporary name and renamed, so an interrupted run leaves no half file behind.
+    Each file is written to a temporary name and renamed (:func:`atomic_write`); a failure (a full disk: one line
+    naming the file) removes the files and folders this call added, so no half copy is left behind.
     """
     target = raw_dir(root)
     if is_complete(root):
@@ -124,20 +125,40 @@ def prepare_fashion_mnist(root: str, source: Optional[str] = None) -> str:
         raise DataError(f'Fashion-MNIST files not found in {", ".join(SOURCES)}; install them with '
                         f'`apt-get install dataset-fashion-mnist`, pass --source DIR (a folder with the four IDX '
                         f'files), or let torchvision download them (dataset_download: true)')
-    os.makedirs(target, exist_ok=True)
-    for name in FILES:
-        plain, packed = os.path.join(folder, name), os.path.join(folder, name + '.gz')
-        if not (os.path.isfile(plain) or os.path.isfile(packed)):
-            raise DataError(f'{folder} lacks {name}(.gz)')
-        tmp = os.path.join(target, f'.{name}.tmp')
-        opener = (lambda: open(plain, 'rb')) if os.path.isfile(plain) else (lambda: gzip.open(packed, 'rb'))
-        with opener() as src, open(tmp, 'wb') as dst:
-            shutil.copyfileobj(src, dst)
-        if os.path.getsize(tmp) != SIZES[name]:
-            os.remove(tmp)
-            raise DataError(f'{name} from {folder} has the wrong size (not the original Fashion-MNIST file)')
-        os.replace(tmp, os.path.join(target, name))
+    created = _missing_parents(target)
+    written = []
+    try:
+        for name in FILES:
+            plain, packed = os.path.join(folder, name), os.path.join(folder, name + '.gz')
+            if not (os.path.isfile(plain) or os.path.isfile(packed)):
+                raise DataError(f'{folder} lacks {name}(.gz)')
+            with (open(plain, 'rb') if os.path.isfile(plain) else gzip.open(packed, 'rb')) as src:
+                data = src.read()
+            if len(data) != SIZES[name]:
+                raise DataError(f'{name} from {folder} has the wrong size (not the original Fashion-MNIST file)')
+            path = os.path.join(target, name)
+            if not os.path.exists(path):
+                written.append(path)
+            atomic_write(path, lambda f: f.write(data))
+    except BaseException:  # a full disk, a bad source file, an interrupt: nothing this call added stays
+        for path in written:
+            if os.path.isfile(path):
+                os.remove(path)
+        for folder_made in reversed(created):
+            if os.path.isdir(folder_made) and not os.listdir(folder_made):
+                os.rmdir(folder_made)
+        raise
     return target
+
+
+def _missing_parents(path: str) -> list:
+    """The folders from ``path`` upwards that do not exist yet, outermost first (created by :func:`atomic_write`)."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing[::-1]
 
 
 def check_fashion_mnist(root: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import WeightsError, model_pipeline, read_weights
+from ..weights_io import WeightsError, WriteError, atomic_write, model_pipeline, one_line, read_weights
 from .flags import parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
@@ -153,20 +153,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"{name}: top-1 {metrics['top1']:.2f} | top-5 {metrics['top5']:.2f} | loss {metrics['loss']:.4f} "
                   f"| {metrics['img_per_s']:.0f} img/s | {metrics['num_samples']} images", flush=True)
             if args.output:
-                os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-                with open(args.output, 'w') as f:
-                    json.dump(results, f, indent=2)
+                text = json.dumps(results, indent=2)
+                atomic_write(args.output, lambda f: f.write(text.encode()))
         return results
     finally:
         cleanup_distributed()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2."""
-    from .trainer import one_line
+    """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2; a failed write of
+    ``--output`` (a full disk) is one line, exit 1."""
     try:
         run(parse_args(argv))
     except (ConfigError, DataError, WeightsError, FileNotFoundError) as e:
         print(f'error: {one_line(e)}', file=sys.stderr)
         return 2
+    except WriteError as e:
+        print(f'error: {one_line(e)}', file=sys.stderr)
+        return 1
     return 0

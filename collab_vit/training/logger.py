@@ -7,6 +7,8 @@ import socket
 import sys
 from typing import Any, Dict, Optional
 
+from ..weights_io import append_line
+
 
 def _wandb_online() -> bool:
     """True when an API key is set and the wandb server answers within two seconds."""
@@ -50,8 +52,7 @@ class RunLogger:
         """Append one epoch record and print its summary line."""
         if not self.enabled:
             return
-        with open(self.path, 'a') as f:
-            f.write(json.dumps(record) + '\n')
+        append_line(self.path, json.dumps(record))
         parts = [f"epoch {record['epoch']:>3d}", f"loss {record['train_loss']:.4f}", f"lr {record['lr']:.2e}",
                  f"{record['img_per_s']:.0f} img/s"]
         if 'top1' in record:

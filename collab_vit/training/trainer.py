@@ -16,7 +16,7 @@ import torch.distributed as dist
 from timm.utils import random_seed
 from torch.nn.parallel import DistributedDataParallel
 
-from ..weights_io import WeightsError, atomic_write, export_safetensors, torch_load
+from ..weights_io import WeightsError, WriteError, export_safetensors, one_line, torch_load
 from .assembly import RunParts, assemble, ema_evaluable  # noqa: F401  (ema_evaluable: re-exported)
 from .checkpoint import (check_run_dir, check_same_run, load_training_checkpoint, prepare_run_dir, repair_run_dir,
                          rng_state, save_checkpoint, set_rng_state)
@@ -149,7 +149,7 @@ def _open_run_dir(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopReque
         repaired = prepare_run_dir(cfg.output)
         if ckpt is not None:
             repaired += repair_run_dir(cfg.output, ckpt, cfg.checkpoint_every)
-        atomic_write(os.path.join(cfg.output, 'config.yaml'), lambda tmp: save_config(cfg, tmp))
+        save_config(cfg, os.path.join(cfg.output, 'config.yaml'))
     barrier()
     log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
                     cfg.experiment, resume)
@@ -349,19 +349,9 @@ def format_summary(s: Dict[str, Any]) -> str:
     return '\n'.join(lines)
 
 
-def one_line(error: BaseException) -> str:
-    """The user-facing line of an error; an error re-raised from a data-loader worker carries the worker's
-    traceback in its message, whose last line is the original one."""
-    text = str(error).strip()
-    if 'Original Traceback' in text:
-        last = text.splitlines()[-1]
-        text = last.split(': ', 1)[1] if ': ' in last else last
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def main(argv: Optional[list] = None) -> int:
     """Console entry: ``train.py -c CONFIG [--key value ...]``. Config, data and weights errors are one line, exit 2;
-    a run stopped by a non-finite loss is one line, exit 1."""
+    a run stopped by a non-finite loss or a failed write (a full disk) is one line, exit 1."""
     import sys
     from .flags import parse_train_args
     try:
@@ -370,7 +360,7 @@ def main(argv: Optional[list] = None) -> int:
     except (ConfigError, DataError, WeightsError) as e:
         print(f'error: {one_line(e)}', file=sys.stderr)
         return 2
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, WriteError) as e:
         print(f'error: {one_line(e)}', file=sys.stderr)
         return 1
     return 0
