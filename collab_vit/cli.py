@@ -103,6 +103,8 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
         raise ValueError(f"--calibration-images must be a positive int, got {images!r}")
     cfg = resolve_data_config(dict(data_config or {}), model=model)
     data = build_dataset(dataset, data_dir, split, is_training=False)
+    # an unreadable image stops the conversion, named: skipping it would change the seeded draw the file records
+    data.bad_image_hint = "remove or replace it: convert does not skip images, so --seed draws the recorded set"
     data.transform = create_transform(cfg["input_size"], is_training=False, interpolation=cfg["interpolation"],
                                       mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
                                       crop_mode=cfg.get("crop_mode", "center"))

@@ -41,10 +41,14 @@ def check_image_folder(root: str, split: str) -> None:
         if others:  # root has split folders, just not this one: timm would read the whole root as this split
             raise DataError(f"data directory {os.path.abspath(root)} has no '{split}' split folder (looked for "
                             f"{', '.join(synonyms)}; found {', '.join(others)})")
-    for _, _, files in os.walk(split_dir):
+    for _, _, files in os.walk(split_dir, onerror=_unreadable):
         if any(f.lower().endswith(IMG_EXTENSIONS) for f in files):
             return
     raise DataError(f'no images found in data directory: {os.path.abspath(split_dir)}')
+
+
+def _unreadable(error: OSError) -> None:
+    raise DataError(f'cannot read data directory {os.path.abspath(error.filename)}: {error.strerror}')
 
 
 class CheckedImageDataset(ImageDataset):
@@ -52,6 +56,8 @@ class CheckedImageDataset(ImageDataset):
     instead of timm's silent substitution of the next sample; with ``skip_bad`` it is replaced by the next readable
     image, warned about once per process and counted (``skipped()``: distinct files, over all data-loader workers).
     """
+
+    bad_image_hint = 'set skip_bad_images: true to skip unreadable images'  # what a user can do (train / eval)
 
     def enable_checks(self, skip_bad: bool) -> None:
         self.skip_bad = skip_bad
@@ -81,8 +87,7 @@ class CheckedImageDataset(ImageDataset):
             except (OSError, SyntaxError, ValueError) as e:  # PIL: unidentified, truncated or broken image data
                 path = self._path(index)
                 if not self.skip_bad:
-                    raise DataError(f'cannot read image {path}: {one_line(e)} (set skip_bad_images: true to '
-                                    f'skip unreadable images)') from None
+                    raise DataError(f'cannot read image {path}: {one_line(e)} ({self.bad_image_hint})') from None
                 self._bad[index] = 1
                 if path not in self._warned:
                     self._warned.add(path)
