@@ -499,6 +499,7 @@ def export_writer(state_dict: Dict[str, torch.Tensor], model_name: str, model_kw
 
 def safetensors_writer(state_dict: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> WriteFn:
     """What :func:`atomic_write` calls to write ``state_dict`` as safetensors: the bytes are made in memory and
-    written through the file object (``save_file`` writes from Rust: a full disk would be a SafetensorError, not an OSError)."""
+    written through the file object (``save_file`` writes from Rust: a full disk would be a SafetensorError, not an
+    OSError)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     return lambda f: f.write(safetensors_bytes(tensors, metadata=metadata))
