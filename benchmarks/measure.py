@@ -229,11 +229,11 @@ def render_layer_table(layer_times: dict[int, dict[str, float]], batch: int) -> 
     return "\n".join(lines)
 
 
-def replace_readme_block(readme: Path, marker: str, text: str) -> None:
-    """Replace what stands between ``<!-- marker:start -->`` and ``<!-- marker:end -->`` in the README."""
-    content = readme.read_text()
+def replace_marked_block(doc: Path, marker: str, text: str) -> None:
+    """Replace what stands between ``<!-- marker:start -->`` and ``<!-- marker:end -->`` in a Markdown file."""
+    content = doc.read_text()
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     if start not in content or end not in content:
-        raise ValueError(f"{readme} has no {marker} block")
+        raise ValueError(f"{doc} has no {marker} block")
     head, rest = content.split(start, 1)
-    readme.write_text(f"{head}{start}\n{text.strip()}\n{end}{rest.split(end, 1)[1]}")
+    doc.write_text(f"{head}{start}\n{text.strip()}\n{end}{rest.split(end, 1)[1]}")

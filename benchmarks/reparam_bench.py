@@ -34,7 +34,7 @@ import numpy as np
 import timm
 import torch
 
-from measure import replace_readme_block
+from measure import replace_marked_block
 from collab_vit.conversion import decompose as dec
 from collab_vit.conversion import reparam
 
@@ -268,7 +268,7 @@ def main() -> None:
     text = markdown(args, rows, baselines, targets(rows, args.reference_layers) + notes, total,
                     (load0, os.getloadavg()[0]))
     Path(args.out).write_text(text)
-    replace_readme_block(Path(__file__).parents[1] / "README.md", "reparam", text.split("\n", 1)[1])
+    replace_marked_block(Path(__file__).parents[1] / "docs" / "performance.md", "reparam", text.split("\n", 1)[1])
     print(text)
 
 

@@ -1,4 +1,5 @@
-"""Throughput / memory of collaborative vs standard DeiT-B, side by side; writes benchmarks/throughput.md.
+"""Throughput / memory of collaborative vs standard DeiT-B, side by side; writes benchmarks/throughput.md and the
+throughput block of docs/performance.md.
 
     python benchmarks/throughput.py                 # CPU: fp32, batch 16 (GPU too when one is present)
     python benchmarks/throughput.py --repeats 3     # quicker, noisier
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 import collab_vit  # noqa: F401  (registers the models)
 from measure import (MODEL_GROUPS, Measurement, machine_description, measure_layers, measure_models,
-                                  render_layer_table, render_model_table, replace_readme_block)
+                                  render_layer_table, render_model_table, replace_marked_block)
 
 
 def measure_group_in_subprocess(index: int, device: torch.device, amp, batch: int, args) -> dict:
@@ -87,8 +88,8 @@ def main() -> None:
               "Saved activations: bytes autograd keeps for backward in one training forward.\n")
     report = header + "\n" + "\n\n".join(sections) + "\n"
     args.out.write_text(report)
-    replace_readme_block(Path(__file__).parents[1] / "README.md", "throughput", report)
-    print(f"wrote {args.out} and the README's throughput block")
+    replace_marked_block(Path(__file__).parents[1] / "docs" / "performance.md", "throughput", report)
+    print(f"wrote {args.out} and the throughput block of docs/performance.md")
 
 
 if __name__ == "__main__":

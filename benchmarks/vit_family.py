@@ -1,4 +1,5 @@
-"""timm's ViT family converted to collaborative attention (section 3.3): the README's table of architectures tried.
+"""timm's ViT family converted to collaborative attention (section 3.3): the table of architectures tried in
+docs/post_hoc.md.
 
 Each architecture is created without pretrained weights at a small size (``SMALL``: 32 px, patch 8, depth 2, width
 64, 4 heads, 10 classes; random biases and layer scales so that none hides an error), then converted
@@ -13,10 +14,10 @@ and saved with ``collab_vit.save_pretrained`` and reloaded with ``timm.create_mo
 outputs, or the one-line refusal). Models that cannot be converted are listed with the one-line reason
 ``collab_vit.reparametrize`` gives.
 
-    python benchmarks/vit_family.py [--readme README.md]      # prints the table; --readme rewrites its block
+    python benchmarks/vit_family.py [--doc docs/post_hoc.md]      # prints the table; --doc rewrites its block
 
-The figures are CPU-dependent in their last digits; ``tests/test_vit_family.py`` checks the README's table against
-the bounds and against what this command covers, and the full-rank exactness of every architecture afresh.
+The figures are CPU-dependent in their last digits; ``tests/test_vit_family.py`` checks the table in docs/post_hoc.md
+against the bounds and against what this command covers, and the full-rank exactness of every architecture afresh.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from numerics import U32, attention_chain, max_error, vit_chain  # noqa: E402
 
 import collab_vit  # noqa: E402
 from collab_vit.conversion.support import check_model  # noqa: E402
-from measure import replace_readme_block  # noqa: E402
+from measure import replace_marked_block  # noqa: E402
 
 SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, num_classes=10)
 IMAGES = 64
@@ -181,7 +182,7 @@ def refusal(label: str) -> str:
 
 def format_table(rows: list[Row], refused: dict[str, str]) -> str:
     lines = [f"Created without pretrained weights at {', '.join(f'{k}={v}' for k, v in SMALL.items())} "
-             f"(`python benchmarks/vit_family.py --readme README.md`); logits on {IMAGES} random images.", "",
+             f"(`python benchmarks/vit_family.py --doc docs/post_hoc.md`); logits on {IMAGES} random images.", "",
              "| architecture | timm model | full rank: max abs logit diff / max abs logit (float64 ref) | bound k u "
              "| half rank: top-1 agreement | half rank: max abs logit diff / max abs logit | kept as is "
              "| `local-dir:` reload |", "|---|---|---:|---:|---:|---:|---|---|"]
@@ -196,13 +197,13 @@ def format_table(rows: list[Row], refused: dict[str, str]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--readme", type=Path, help=f"rewrite the README's {MARKER} block with the table")
+    parser.add_argument("--doc", type=Path, help=f"rewrite the {MARKER} block of this Markdown file with the table")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     table = format_table([measure(label) for label in CASES], {label: refusal(label) for label in REFUSED})
     print(table)
-    if args.readme:
-        replace_readme_block(args.readme, MARKER, table)
+    if args.doc:
+        replace_marked_block(args.doc, MARKER, table)
     return 0
 
 

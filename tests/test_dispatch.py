@@ -1,4 +1,4 @@
-"""One function picks the implementation (``dispatch.select_path``); the README's table says the same, and the
+"""One function picks the implementation (``dispatch.select_path``); docs/performance.md's table says the same, and the
 layer runs what it says on every device this machine has. fx-traced models script and run (timm's fx test)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collab_vit.layers import attention
 from collab_vit.layers.dispatch import Path, select_path
 from numerics import assert_within, vit_chain
 
-README = FilePath(__file__).parents[1] / "README.md"
+PERFORMANCE = FilePath(__file__).parents[1] / "docs" / "performance.md"
 HEADER = "| device | mode | attention dropout | run as | path |"
 IMPLEMENTATIONS = {Path.CORE: "core_attend", Path.SDPA_PINNED: "pinned_attend", Path.SDPA: "folded_sdpa",
                    Path.EXPLICIT: "explicit_collaborative"}
@@ -30,8 +30,8 @@ RUNS = {  # (fused, scripting, compiling, tracing) of each "run as" cell
 }
 
 
-def readme_rows() -> list[list[str]]:
-    lines = README.read_text().splitlines()
+def documented_rows() -> list[list[str]]:
+    lines = PERFORMANCE.read_text().splitlines()
     start = lines.index(HEADER) + 2
     rows = []
     for line in lines[start:]:
@@ -60,8 +60,8 @@ def row_path(row: list[str]) -> Path:
     return Path(re.match(r"`([\w-]+)`", row[-1]).group(1))
 
 
-def test_readme_table_is_select_path() -> None:
-    rows = readme_rows()
+def test_documented_table_is_select_path() -> None:
+    rows = documented_rows()
     assert len(rows) >= 6
     covered = set()
     for row in rows:
@@ -95,7 +95,7 @@ def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
     """Each eager row for this device: the layer, in that mode, calls that implementation and no other."""
     calls = spy_implementations(monkeypatch)
     checked = 0
-    for row in readme_rows():
+    for row in documented_rows():
         for device_type, fused, p, scripting, compiling, tracing, training in row_calls(row):
             if device_type != device or scripting or compiling or tracing:
                 continue
