@@ -16,7 +16,7 @@ OUR_MODELS = set(COLLAB_MODELS + CONCAT_MODELS)
 NETWORK_TESTS = {"test_model_load_pretrained": "downloads pretrained weights from the Hugging Face hub"}
 # timm's own note: "no marker, slow (prunes every model at every feature index)". At 224 px it takes minutes per
 # model on 2 cores, so the suite runs it on the smallest model of each attention kind; COLLAB_VIT_UPSTREAM_ALL=1
-# runs it on every model (the README gives the command and its last result).
+# runs it on every model (docs/testing.md gives the command and its last result).
 SLOW_TESTS = {"test_prune_intermediate_layers_contract": {"collab_deit_tiny_patch16_224_k48",
                                                           "concat_deit_tiny_patch16_224_k48"}}
 UPSTREAM: dict = {"path": None, "reason": ""}

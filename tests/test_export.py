@@ -1,5 +1,5 @@
 """Deployment exports compute the model: both ONNX exporters (run by onnxruntime), ``torch.export`` and a saved
-``torch.jit.trace``, each at two batch sizes (README, Performance: graph capture takes ``sdpa``).
+``torch.jit.trace``, each at two batch sizes (docs/performance.md: graph capture takes ``sdpa``).
 
 The TorchScript-based exporters used to trace the CPU core (an autograd Function): the ONNX graph had no attention
 (logits off by 0.9 of their max) and a traced module could not be saved. Bound: the issue's acceptance criterion,
