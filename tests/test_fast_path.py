@@ -3,6 +3,7 @@ the explicit route, to second order; what they store for backward."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -241,9 +242,16 @@ def test_folded_sdpa_matches_explicit(key_dim: int, mask: str, monkeypatch) -> N
     assert_paths_match_reference(layer, key_dim, x, folded, explicit, **layer_mask(mask))
 
 
-def test_this_torch_has_cpu_flash() -> None:
-    """The newest torch has the private CPU flash op, so the suite's other tests run the core's flash forward."""
+def test_cpu_flash_feature_check(monkeypatch) -> None:
+    """The newest torch has the private CPU flash op (so the suite's other tests run the core's flash forward); a
+    torch without it, or with an older signature (no ``attn_mask``), is told apart."""
     assert attention_core.has_cpu_flash() and attention_core.CPU_FLASH
+    monkeypatch.setattr(torch.ops, "aten", types.SimpleNamespace())
+    assert not attention_core.has_cpu_flash()
+    old = types.SimpleNamespace(default=types.SimpleNamespace(_schema="aten::_scaled_dot_product_flash_attention_for"
+                                                              "_cpu(Tensor query, Tensor key, Tensor value)"))
+    monkeypatch.setattr(torch.ops, "aten", types.SimpleNamespace(_scaled_dot_product_flash_attention_for_cpu=old))
+    assert not attention_core.has_cpu_flash()
 
 
 @pytest.mark.parametrize("key_dim", [6, 16])  # where the core's forward takes CPU flash when the op exists

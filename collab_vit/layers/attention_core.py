@@ -19,8 +19,10 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 
 
 def has_cpu_flash() -> bool:
-    """Whether this torch has the private op of its CPU flash kernel that returns the row log-sum-exp."""
-    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    """Whether this torch has the private op of its CPU flash kernel that returns the row log-sum-exp, taking an
+    additive ``attn_mask`` as ``flash_forward`` calls it."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return op is not None and "attn_mask" in str(op.default._schema)
 
 
 CPU_FLASH = has_cpu_flash()  # the one feature check; without the op the core's forward is the grouped matmuls
