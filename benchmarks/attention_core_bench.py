@@ -8,7 +8,7 @@ SDPA's math kernel vs timm's 64/64 SDPA, and the bytes autograd saves. Layer: on
     PYTHONPATH=. python benchmarks/attention_core_bench.py --repeats 5
     PYTHONPATH=. python benchmarks/attention_core_bench.py --choices --repeats 5   # the CPU heuristics' choices
 
-``--choices`` times both sides of each CPU heuristic (``flash_pays``, ``pad_pays``, ``CHUNK_BYTES``) at the sizes
+``--choices`` times both sides of each CPU heuristic (``flash_pays``, ``CHUNK_BYTES``) at the sizes
 where it decides, so a threshold can be checked on another CPU (issue #17).
 """
 import argparse
@@ -178,19 +178,6 @@ def flash_choice_rows(repeats: int) -> list[str]:
     return rows
 
 
-def pad_choice_rows(repeats: int) -> list[str]:
-    """``pad_pays``: ``fused_attend`` without gradients, padded CPU flash vs the explicit product, per q/k head dim."""
-    torch.manual_seed(0)
-    rows = []
-    for qk in (8, 16, 32, 64, 128, 256):
-        q, k, v = torch.randn(B, H, N, qk), torch.randn(B, H, N, qk), torch.randn(B, H, N, D)
-        times = forced_ms(attention, "pad_pays",
-                          lambda: attention.fused_attend(q, k, v, qk ** -0.5, None, False, 0.), repeats)
-        rows.append(f"| {qk} | {times[True]:.1f} | {times[False]:.1f} | "
-                    f"{'padded flash' if attention_core.pad_pays(qk, D) else 'explicit'} |")
-    return rows
-
-
 def chunk_choice_rows(repeats: int) -> list[str]:
     """``CHUNK_BYTES``: one k192 layer's forward and train step at several chunk sizes (whole batch = no chunks)."""
     torch.manual_seed(0)
@@ -211,9 +198,6 @@ def print_choices(repeats: int) -> None:
     print("flash_pays (core forward, B=16, Nh=12, N=197, v 64)\n\n| D~k | flash ms | grouped bmm ms | chosen |\n"
           "|---:|---:|---:|---|")
     print("\n".join(flash_choice_rows(repeats)), flush=True)
-    print("\npad_pays (fused_attend, no grad, v 64)\n\n| q/k head dim | padded flash ms | explicit ms | chosen |\n"
-          "|---:|---:|---:|---|")
-    print("\n".join(pad_choice_rows(repeats)), flush=True)
     print("\nCHUNK_BYTES (k192 layer, dim 768)\n\n| chunk | forward ms | train step ms |\n|---|---:|---:|")
     print("\n".join(chunk_choice_rows(repeats)), flush=True)
 

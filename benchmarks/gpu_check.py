@@ -1,4 +1,4 @@
-"""GPU check of the attention layers: correctness, the SDPA kernel each case runs, memory, throughput; Markdown out.
+"""GPU check of the attention layers: correctness, the SDPA kernel each case runs, the routes, throughput; Markdown out.
 
     PYTHONPATH=. python benchmarks/gpu_check.py                      # CUDA, about 3 to 5 minutes on one GPU
     PYTHONPATH=. python benchmarks/gpu_check.py --out gpu_check.md   # also write the report to a file
@@ -8,9 +8,12 @@
    path in float32 on the same device (max error / max |reference| <= 1e-4), and under bfloat16 / float16 autocast
    against the float32 explicit path (relative Frobenius error within ``rounding_tolerance``).
 2. Kernels: the attention ops and CUDA kernels the profiler records for each layer (training step and inference);
-   ``math`` is torch's unfused SDPA kernel, ``explicit`` a written-out softmax. Any warning of the layer (a kernel
-   that refused its input, a copy autograd stored) is reported.
-3. Memory held for backward by one layer (allocator bytes after forward), against timm's ``Attention``.
+   ``math`` is torch's unfused SDPA kernel, ``explicit`` a written-out softmax (on CUDA either is a FAIL: a silent
+   fallback). Any warning of the package is reported.
+3. Routes: each route of ``CollaborativeAttention`` forced on one layer (``sdpa``, the CUDA default; ``sdpa`` with
+   the saved-tensor hook of the removed ``sdpa-pinned`` path; the CPU ``core``; ``explicit``): forward and training
+   step time, memory held for backward (allocator bytes after forward) and error against ``explicit``; timm's
+   ``Attention`` for scale. What the table in ``collab_vit/layers/dispatch.py`` should follow on a GPU.
 4. Whole models at bfloat16 autocast, batch 256 (``--batch``): timm's ``deit_base_patch16_224`` against collab
    k768/384/192 and concat k384/192, inference and training step (forward, backward, AdamW), img/s and peak memory.
 
@@ -25,9 +28,10 @@ import statistics
 import sys
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable, Optional
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, when not installed
 
@@ -38,6 +42,9 @@ from timm.layers import Attention  # noqa: E402
 
 import collab_vit  # noqa: E402,F401  (registers the models)
 from collab_vit import CollaborativeAttention, ConcatAttention  # noqa: E402
+from collab_vit.layers import attention  # noqa: E402
+from collab_vit.layers.dispatch import Path as Route  # noqa: E402
+from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys  # noqa: E402
 from measure import timed  # noqa: E402  (benchmarks/measure.py, beside this file)
 
 BASELINE = "deit_base_patch16_224"
@@ -212,29 +219,93 @@ def held_bytes(layer: nn.Module, x: torch.Tensor, amp: Optional[torch.dtype]) ->
     return held
 
 
-def memory_section(device: torch.device, tiny: bool, report: list[str], failures: list[str]) -> None:
-    if device.type != "cuda":
-        return
-    dim, heads, tokens, _, _ = layer_shapes(tiny)
-    batch = 64
-    report += ["## Memory held for backward (one layer)", "",
-               f"Batch {batch}, {tokens} tokens, dim {dim}, bf16 autocast: allocator bytes held after a training "
-               "forward. `mixed queries` is the size of one (B, heads, N, W) tensor the layer must not keep.", "",
-               "| layer | held MiB | vs timm | one mixed-query tensor MiB |", "|---|---:|---:|---:|"]
+class _Recompute:
+    """Placeholder autograd stores instead of the per-head queries."""
+
+
+def recomputing_folded_sdpa(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor],
+                            is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """The ``sdpa`` route with the saved-tensor hook of the removed ``sdpa-pinned`` path (commit c2a1b61): autograd
+    stores the shared ``q'`` and ``m'`` instead of the Nh x larger per-head queries and backward recomputes them."""
+    q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
+    q2 = head_queries(q_ext, m_ext)
+    key, shared = (q2.data_ptr(), tuple(q2.shape), q2.stride()), (q_ext.detach(), m_ext.detach())
+
+    def pack(t: torch.Tensor) -> object:
+        return _Recompute if (t.data_ptr(), tuple(t.shape), t.stride()) == key else t
+
+    def unpack(packed: object) -> torch.Tensor:
+        return head_queries(*shared) if packed is _Recompute else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return attention.fused_attend(q2, shared_keys(k_ext, m_ext.shape[0]), v, scale, attn_mask, is_causal,
+                                      dropout_p)
+
+
+ROUTES = {  # label: (route forced in dispatch.select_path, replacement of attention.folded_sdpa or None)
+    "sdpa (CUDA default)": (Route.SDPA, None),
+    "sdpa + recompute hook": (Route.SDPA, recomputing_folded_sdpa),
+    "core (CPU default)": (Route.CORE, None),
+    "explicit": (Route.EXPLICIT, None),
+}
+
+
+def forced_route(label: str):
+    """A context in which every ``CollaborativeAttention`` call takes the route ``label`` of ``ROUTES``."""
+    path, folded = ROUTES[label]
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(attention, "select_path", lambda *args: path))
+    if folded is not None:
+        stack.enter_context(mock.patch.object(attention, "folded_sdpa", folded))
+    return stack
+
+
+def time_route(layer: nn.Module, x: torch.Tensor, repeats: int) -> tuple[torch.Tensor, float, float, str]:
+    """bf16 output, forward ms, training-step ms and (CUDA) MiB held for backward of ``layer`` on ``x``."""
+    def forward() -> torch.Tensor:
+        with autocast(x.device, torch.bfloat16), torch.no_grad():
+            return layer(x)
+
+    def train() -> None:
+        with autocast(x.device, torch.bfloat16):
+            out = layer(x)
+        out.float().sum().backward()
+
+    out = forward().float()
+    train()
+    fwd = statistics.median(timed(forward, x.device) for _ in range(repeats)) * 1e3
+    step = statistics.median(timed(train, x.device) for _ in range(repeats)) * 1e3
+    held = f"{held_bytes(layer, x, torch.bfloat16) / 2**20:.1f}" if x.device.type == "cuda" else "-"
+    layer.zero_grad(set_to_none=True)
+    return out, fwd, step, held
+
+
+def routes_section(device: torch.device, tiny: bool, repeats: int, report: list[str], failures: list[str]) -> None:
+    """Every route of ``CollaborativeAttention`` on this device, forced: bf16 forward / training-step time and, on
+    CUDA, the memory held for backward; timm's ``Attention`` for scale. The evidence for ``dispatch``'s table."""
+    dim, heads, tokens, _, key_dims = layer_shapes(tiny)
+    batch = 2 if tiny else 64
+    report += ["## Routes (one layer, each route forced)", "",
+               f"Batch {batch}, {tokens} tokens, dim {dim}, {heads} heads, bf16 autocast; median of {repeats} after "
+               "one warm-up. Held: allocator bytes after a training forward (CUDA only). Error: the output's "
+               f"relative Frobenius error against the explicit route (bound {rounding_tolerance(torch.bfloat16, 8):.3g}).",
+               "", "| layer | route | forward ms | train step ms | held MiB | error vs explicit |",
+               "|---|---|---:|---:|---:|---:|"]
     x = torch.randn(batch, tokens, dim, device=device, requires_grad=True)
-    timm_held = None
-    for name, layer in kernel_layers(tiny).items():
-        layer = layer.to(device).train()
-        held = held_bytes(layer, x, torch.bfloat16)
-        timm_held = timm_held or held
-        mixed = 0
-        if isinstance(layer, CollaborativeAttention):
-            width = -(-(layer.key_dim + heads) // 8) * 8
-            mixed = batch * heads * tokens * width * 2
-            if held > timm_held + mixed / 2:
-                failures.append(f"memory: {name} holds {held / 2**20:.0f} MiB (timm {timm_held / 2**20:.0f})")
-        mixed_cell = f"{mixed / 2**20:.1f}" if mixed else "-"
-        report.append(f"| {name} | {held / 2**20:.1f} | {held / timm_held:.3f} | {mixed_cell} |")
+    _, fwd, step, held = time_route(Attention(dim, heads, qkv_bias=True).to(device).train(), x, repeats)
+    report.append(f"| timm Attention | - | {fwd:.2f} | {step:.2f} | {held} | - |")
+    for key_dim in key_dims[::2] if tiny else key_dims:
+        layer = random_layer(dim, heads, key_dim, True, device).train()
+        results = {}
+        for label in ROUTES:
+            with forced_route(label):
+                results[label] = time_route(layer, x, repeats)
+        for label, (out, fwd, step, held) in results.items():
+            error = rel_error(out, results["explicit"][0])
+            report.append(f"| collab k{key_dim} | {label} | {fwd:.2f} | {step:.2f} | {held} | {error:.2e} |")
+            if error > rounding_tolerance(torch.bfloat16, 8):
+                failures.append(f"routes: collab k{key_dim} {label} differs from explicit by {error:.2e}")
     report.append("")
 
 
@@ -333,7 +404,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         warnings.simplefilter("always")
         correctness_section(device, args.tiny, report, failures)
         kernels_section(device, args.tiny, report, failures)
-        memory_section(device, args.tiny, report, failures)
+        routes_section(device, args.tiny, repeats, report, failures)
         if not args.skip_throughput:
             throughput_section(device, args.tiny, batch, warmup, repeats, report, failures)
     layer_warnings = sorted({str(w.message) for w in caught if str(w.message).startswith("collab_vit")})

@@ -4,23 +4,30 @@ throughput block of docs/performance.md.
     python benchmarks/throughput.py                 # CPU: fp32, batch 16 (GPU too when one is present)
     python benchmarks/throughput.py --repeats 3     # quicker, noisier
     python benchmarks/throughput.py --threads 1     # leave the other core to something else
+    python benchmarks/throughput.py --ratios        # minutes: the CPU ratios a change must not lower (below)
+
+``--ratios`` measures only what a change to the attention paths is checked against: collab/timm DeiT-B inference
+at key dims 768/384/192 and the training step at 192 (CPU fp32, batch 16), all in one process, interleaved; it
+prints one table and writes nothing.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import timm
 import torch
 from tqdm import tqdm
 
 import collab_vit  # noqa: F401  (registers the models)
-from measure import (MODEL_GROUPS, Measurement, machine_description, measure_layers, measure_models,
-                                  render_layer_table, render_model_table, replace_marked_block)
+from measure import (BASELINE, MODEL_GROUPS, Measurement, Runner, machine_description, measure_layers, measure_models,
+                     render_layer_table, render_model_table, replace_marked_block, timed)
 
 
 def measure_group_in_subprocess(index: int, device: torch.device, amp, batch: int, args) -> dict:
@@ -43,6 +50,36 @@ def run_group(args) -> None:
     args.group_out.write_text(json.dumps({n: vars(m) for n, m in results.items()}))
 
 
+RATIO_MODELS = {BASELINE: True, "collab_deit_base_patch16_224_k768": False, "collab_deit_base_patch16_224_k384": False,
+                "collab_deit_base_patch16_224_k192": True}  # model: whether its training step is timed too
+
+
+def print_ratios(args) -> None:
+    """CPU fp32, batch ``--cpu-batch``, one process: timm's DeiT-B and collab k768/384/192 interleaved in each repeat;
+    collab/timm inference ratio per key dim and training-step ratio at k192 (ratios of medians); every time is
+    printed to stderr as it is taken, so an interrupted run still tells something."""
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    runners = {n: Runner(timm.create_model(n), args.cpu_batch, 224, cpu, None) for n in RATIO_MODELS}
+    steps = [(n, "infer", r.infer) for n, r in runners.items()] + [
+        (n, "train", r.train_step) for n, r in runners.items() if RATIO_MODELS[n]]
+    for _, _, step in steps * args.warmup:
+        step()
+    times: dict[tuple[str, str], list[float]] = {(n, kind): [] for n, kind, _ in steps}
+    for repeat in range(args.repeats):
+        for name, kind, step in steps:
+            times[name, kind].append(timed(step, cpu))
+            print(f"repeat {repeat}: {name} {kind} {times[name, kind][-1]:.2f} s", file=sys.stderr, flush=True)
+    median = {key: statistics.median(t) for key, t in times.items()}
+    rows = [f"| `{n}` | {median[BASELINE, 'infer'] / median[n, 'infer']:.3f} | "
+            + (f"{median[BASELINE, 'train'] / median[n, 'train']:.3f} |" if train else "- |")
+            for n, train in RATIO_MODELS.items() if n != BASELINE]
+    print(f"CPU fp32, batch {args.cpu_batch}, {machine_description(cpu)}, median of {args.repeats} after "
+          f"{args.warmup} warm-up, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; timm DeiT-B "
+          f"{median[BASELINE, 'infer']:.2f} s inference, {median[BASELINE, 'train']:.2f} s training step\n\n"
+          "| model | infer ratio collab/timm | train ratio collab/timm |\n|---|---:|---:|\n" + "\n".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
@@ -56,6 +93,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--amp", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--ratios", action="store_true", help="only the tracked CPU ratios (see above)")
     args = parser.parse_args()
     if args.group is not None:
         if args.threads:
@@ -64,6 +102,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.ratios:
+        return print_ratios(args)
     sections = []
     setups = [(torch.device("cpu"), None, args.cpu_batch, "CPU fp32")]
     if torch.cuda.is_available():

@@ -1,10 +1,10 @@
-"""One function picks the implementation (``dispatch.select_path``); docs/performance.md's table says the same, and the
-layer runs what it says on every device this machine has. fx-traced models script and run (timm's fx test)."""
+"""One function picks the route (``dispatch.select_path``); the table in ``dispatch``'s docstring says the same, and
+the layer runs what it says on every device this machine has. fx-traced models script and run (timm's fx test)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import re
-from pathlib import Path as FilePath
 
 import pytest
 import timm
@@ -12,26 +12,19 @@ import torch
 from timm.layers import create_feature_extractor, get_graph_node_names, set_scriptable
 
 from collab_vit import CollaborativeAttention
-from collab_vit.layers import attention
+from collab_vit.layers import attention, dispatch
 from collab_vit.layers.dispatch import Path, select_path
 from numerics import assert_within, vit_chain
 
-PERFORMANCE = FilePath(__file__).parents[1] / "docs" / "performance.md"
-HEADER = "| device | mode | attention dropout | run as | path |"
-IMPLEMENTATIONS = {Path.CORE: "core_attend", Path.SDPA_PINNED: "pinned_attend", Path.SDPA: "folded_sdpa",
-                   Path.EXPLICIT: "explicit_collaborative"}
-DEVICES = {"CPU": ["cpu"], "CUDA": ["cuda"], "other": ["mps", "xpu"], "any": ["cpu", "cuda", "mps"]}
-RUNS = {  # (fused, scripting, compiling, tracing) of each "run as" cell
-    "eager": [(True, False, False, False)],
-    "`torch.compile`, `torch.export`, `torch.jit.script`, `torch.jit.trace`, ONNX export": [
-        (True, False, True, False), (True, True, False, False), (True, False, False, True)],
-    "`fused_attn = False`": [(False, False, False, False), (False, True, False, False), (False, False, True, False),
-                             (False, False, False, True)],
-}
+HEADER = "| device | fused_attn | attention dropout | graph capture | route |"
+IMPLEMENTATIONS = {Path.CORE: "core_attend", Path.SDPA: "folded_sdpa", Path.EXPLICIT: "explicit_collaborative"}
+DEVICES = {"CPU": ["cpu"], "CUDA, other": ["cuda", "mps", "xpu"], "any": ["cpu", "cuda", "mps"]}
+DROPOUTS = {"0": [0.], "> 0": [0.1], "any": [0., 0.1]}
+CAPTURES = {"no": [False], "yes": [True], "any": [False, True]}
 
 
-def documented_rows() -> list[list[str]]:
-    lines = PERFORMANCE.read_text().splitlines()
+def table_rows() -> list[list[str]]:
+    lines = dispatch.__doc__.splitlines()
     start = lines.index(HEADER) + 2
     rows = []
     for line in lines[start:]:
@@ -41,32 +34,24 @@ def documented_rows() -> list[list[str]]:
     return rows
 
 
-def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool, bool, bool, bool]]:
-    """Every (device type, fused, dropout, scripting, compiling, tracing, training) a table row covers."""
-    device, mode, dropout, run, _ = row
-    dropouts = {"0": [0.], "> 0": [0.1], "any": [0., 0.1]}[dropout]
-    calls = []
-    for device_type in DEVICES[device]:
-        for training in [m.strip() == "training" for m in mode.split(",")]:
-            for p in dropouts:
-                if not training and p > 0:
-                    continue  # dropout is off in eval: "inference" rows mean p = 0
-                for fused, scripting, compiling, tracing in RUNS[run]:
-                    calls.append((device_type, fused, p, scripting, compiling, tracing, training))
-    return calls
+def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool]]:
+    """Every (device type, fused, dropout, capturing) a table row covers."""
+    device, fused, dropout, capture, _ = row
+    return [(device_type, fused == "True", p, capturing) for device_type in DEVICES[device]
+            for p in DROPOUTS[dropout] for capturing in CAPTURES[capture]]
 
 
 def row_path(row: list[str]) -> Path:
     return Path(re.match(r"`([\w-]+)`", row[-1]).group(1))
 
 
-def test_documented_table_is_select_path() -> None:
-    rows = documented_rows()
-    assert len(rows) >= 6
+def test_table_is_select_path() -> None:
+    rows = table_rows()
+    assert len(rows) >= 4
     covered = set()
     for row in rows:
-        for device_type, fused, p, scripting, compiling, tracing, _ in row_calls(row):
-            assert select_path(device_type, fused, p, scripting, compiling, tracing) == row_path(row), row
+        for call in row_calls(row):
+            assert select_path(*call) == row_path(row), row
         covered.add(row_path(row))
     assert covered == set(Path)
 
@@ -95,10 +80,10 @@ def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
     """Each eager row for this device: the layer, in that mode, calls that implementation and no other."""
     calls = spy_implementations(monkeypatch)
     checked = 0
-    for row in documented_rows():
-        for device_type, fused, p, scripting, compiling, tracing, training in row_calls(row):
-            if device_type != device or scripting or compiling or tracing:
-                continue
+    for row in table_rows():
+        for (device_type, fused, p, capturing), training in itertools.product(row_calls(row), (True, False)):
+            if device_type != device or capturing or (p > 0 and not training):
+                continue  # dropout is off in eval
             layer = CollaborativeAttention(48, 3, key_dim=20, qkv_bias=True, attn_drop=p).to(device).train(training)
             layer.fused_attn = fused
             calls.clear()
@@ -125,13 +110,13 @@ def test_fx_traced_model_scripts_and_matches_eager() -> None:
 
 
 @pytest.mark.parametrize("device", available_devices())
-def test_traced_layer_runs_sdpa(device: str, monkeypatch) -> None:
-    """``torch.jit.trace`` (what the TorchScript ONNX exporter runs) takes the table's graph-capture row: ``sdpa``,
-    never the autograd Function ``core`` (a Python call in the trace; the ONNX exporter dropped its output)."""
+def test_traced_layer_runs_the_capture_route(device: str, monkeypatch) -> None:
+    """``torch.jit.trace`` (what the TorchScript ONNX exporter runs) takes the table's graph-capture row, never the
+    autograd Function ``core`` (a Python call in the trace; the ONNX exporter dropped its output)."""
     calls = spy_implementations(monkeypatch)
     layer = CollaborativeAttention(48, 3, key_dim=20, qkv_bias=True).to(device).eval()
     x = torch.randn(2, 9, 48, device=device)
     with torch.no_grad():
         traced = torch.jit.trace(layer, x, check_trace=False)  # the check would rerun it eagerly
-    assert calls == [Path.SDPA]
+    assert calls == [select_path(device, True, 0., True)] and Path.CORE not in calls
     assert not [n for n in traced.inlined_graph.nodes() if n.kind() == "prim::PythonOp"]

@@ -1,17 +1,15 @@
-"""The fast paths (``CollaborativeCore``, the folded SDPA layout, pinned or not, padded head dims) equal the explicit
-path, to second order; what they store for backward."""
+"""The fast routes (``CollaborativeCore`` with and without CPU flash, the folded SDPA layout, padded head dims) equal
+the explicit route, to second order; what they store for backward."""
 from __future__ import annotations
 
 import copy
-import gc
-import warnings
+import types
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.layers import attention, attention_core, sdpa_layout
+from collab_vit.layers import attention, attention_core
 from collab_vit.layers.attention_core import CollaborativeCore, batch_chunks
 from collab_vit.layers.dispatch import Path
 from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys
@@ -244,88 +242,32 @@ def test_folded_sdpa_matches_explicit(key_dim: int, mask: str, monkeypatch) -> N
     assert_paths_match_reference(layer, key_dim, x, folded, explicit, **layer_mask(mask))
 
 
-def collab_warnings(caught: list) -> list[str]:
-    return [str(w.message) for w in caught if str(w.message).startswith("collab_vit")]
+def test_cpu_flash_feature_check(monkeypatch) -> None:
+    """The newest torch has the private CPU flash op (so the suite's other tests run the core's flash forward); a
+    torch without it, or with an older signature (no ``attn_mask``), is told apart."""
+    assert attention_core.has_cpu_flash() and attention_core.CPU_FLASH
+    monkeypatch.setattr(torch.ops, "aten", types.SimpleNamespace())
+    assert not attention_core.has_cpu_flash()
+    old = types.SimpleNamespace(default=types.SimpleNamespace(_schema="aten::_scaled_dot_product_flash_attention_for"
+                                                              "_cpu(Tensor query, Tensor key, Tensor value)"))
+    monkeypatch.setattr(torch.ops, "aten", types.SimpleNamespace(_scaled_dot_product_flash_attention_for_cpu=old))
+    assert not attention_core.has_cpu_flash()
 
 
-def test_pinned_kernel_refusal_warns_once_then_runs_explicit(monkeypatch) -> None:
-    """An input the pinned kernel refuses is not left to a silent fallback: one warning naming the reason (here:
-    CPU flash needs equal head dims, 40 vs 16), then the explicit path, with its results."""
-    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
-    layer = random_layer(CollaborativeAttention, 30)
+@pytest.mark.parametrize("key_dim", [6, 16])  # where the core's forward takes CPU flash when the op exists
+@pytest.mark.parametrize("mask", ["none", "causal", "float"])
+def test_core_without_cpu_flash_matches_reference(key_dim: int, mask: str, monkeypatch) -> None:
+    """A torch without the private op (the feature check forced off): the grouped matmuls run instead, with the
+    same outputs and gradients."""
+    flash_calls = []
+    original = attention_core.flash_forward
+    monkeypatch.setattr(attention_core, "flash_forward", lambda *a: flash_calls.append(1) or original(*a))
+    layer = random_layer(CollaborativeAttention, key_dim)
     x = torch.randn(2, TOKENS, DIM)
-    explicit = outputs_and_grads(layer, x, fused=False)
-    force_path(monkeypatch, Path.SDPA_PINNED)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first, second = outputs_and_grads(layer, x, fused=True), outputs_and_grads(layer, x, fused=True)
-    messages = collab_warnings(caught)
-    assert len(messages) == 1 and "CPU flash needs equal query and value head dims, got 40 and 16" in messages[0]
-    assert_paths_match_reference(layer, 30, x, first, second, explicit)
-
-
-@pytest.mark.parametrize("amp", [False, True])
-def test_pinned_kernel_recomputes_the_per_head_queries(amp: bool, monkeypatch) -> None:
-    """``sdpa-pinned`` on the CPU flash kernel (key dim 13 + 3 heads = 16 = the value head dim): autograd does not
-    keep the (B, heads, N, 16) queries (their storage is freed after forward), backward recomputes them, and the
-    results equal the explicit path. Under bfloat16 autocast too: no cast copy escapes the hook."""
-    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
-    layer = random_layer(CollaborativeAttention, 13)
-    x = torch.randn(2, TOKENS, DIM)
-    explicit = outputs_and_grads(layer, x, fused=False)
-    force_path(monkeypatch, Path.SDPA_PINNED)
-    built = []
-    original = sdpa_layout.head_queries
-
-    def spy(q_ext: torch.Tensor, m_ext: torch.Tensor) -> torch.Tensor:
-        queries = original(q_ext, m_ext)
-        built.append(StorageWeakRef(queries.untyped_storage()))
-        return queries
-
-    monkeypatch.setattr(sdpa_layout, "head_queries", spy)
-    train = copy.deepcopy(layer).train()
-    x_grad = x.clone().requires_grad_(True)
-    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        warnings.simplefilter("always")
-        out = train(x_grad)
-    gc.collect()
-    assert len(built) == 1 and built[0].expired(), "the per-head queries were stored for backward"
-    out.float().sum().backward()
-    assert len(built) == 2, "backward did not recompute the per-head queries"
-    assert not collab_warnings(caught)
-    if not amp:
-        assert_paths_match_reference(layer, 13, x, outputs_and_grads(layer, x, fused=True), explicit)
-
-
-def test_pinned_kernel_reports_a_stored_copy(monkeypatch) -> None:
-    """Float32 folded inputs under bfloat16 autocast: SDPA casts the per-head queries and autograd stores that copy,
-    which the hook cannot replace (the old hook missed it silently): a warning says so."""
-    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
-    torch.manual_seed(0)
-    q, k = torch.randn(2, TOKENS, 13, requires_grad=True), torch.randn(2, TOKENS, 13)
-    mixing, content = torch.randn(HEADS, 13), torch.randn(2, TOKENS, HEADS)
-    v = torch.randn(2, HEADS, TOKENS, 16, dtype=torch.bfloat16)
-    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
-        warnings.simplefilter("always")
-        q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
-        sdpa_layout.pinned_sdpa(q_ext, m_ext, k_ext, v, 0.25, None, False, 0.)
-    messages = collab_warnings(caught)
-    assert len(messages) == 1 and "copy of the per-head queries or keys" in messages[0]
-
-
-@pytest.mark.parametrize("mask", ["causal", "bool", "float"])
-def test_pinned_kernel_with_masks_matches_explicit(mask: str, monkeypatch) -> None:
-    """``sdpa-pinned`` (CPU flash, key dim 13: folded width 16 = the value head dim) with the caller's masks. A float
-    mask that needs a gradient is refused by CPU flash: one warning, and the explicit path's results."""
-    monkeypatch.setattr(sdpa_layout, "_WARNED", set())
-    layer = random_layer(CollaborativeAttention, 13)
-    x = torch.randn(2, TOKENS, DIM)
-    explicit = outputs_and_grads(layer, x, fused=False, **layer_mask(mask))
-    force_path(monkeypatch, Path.SDPA_PINNED)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fast = outputs_and_grads(layer, x, fused=True, **layer_mask(mask))
-    messages = collab_warnings(caught)
-    assert messages == ([] if mask != "float" else [messages[0]])
-    assert mask != "float" or "CPU flash has no gradient for the attention mask" in messages[0]
-    assert_paths_match_reference(layer, 13, x, fast, explicit, **layer_mask(mask))
+    with_flash = outputs_and_grads(layer, x, True, **layer_mask(mask))
+    assert flash_calls, "the flash forward did not run with the op present"
+    flash_calls.clear()
+    monkeypatch.setattr(attention_core, "CPU_FLASH", False)
+    without = outputs_and_grads(layer, x, True, **layer_mask(mask))
+    assert not flash_calls
+    assert_paths_match_reference(layer, key_dim, x, with_flash, without, **layer_mask(mask))

@@ -19,9 +19,9 @@ from timm.layers import Attention, use_fused_attn
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import register_notrace_function
 
-from .attention_core import CollaborativeCore, equal_head_dims, pad_pays
+from .attention_core import CollaborativeCore, equal_head_dims, explicit_attend, explicit_collaborative
 from .dispatch import Path, select_path
-from .sdpa_layout import folded_layout, head_queries, pinned_sdpa, shared_keys
+from .sdpa_layout import folded_layout, head_queries, shared_keys
 
 MixingInit = Literal["concatenate", "random"]
 MIXING_INITS = ("concatenate", "random")
@@ -51,34 +51,18 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(num_heads)]
 
 
-def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
-                    is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """``softmax(q k^T * scale + mask) v`` written out, as timm's ``Attention`` without ``fused_attn``.
-
-    Softmax statistics are float32 for 16-bit logits (autocast lists softmax as a float32 op; without autocast the
-    softmax kernels accumulate in float32); the weights meet ``v`` in its dtype.
-    """
-    attn = (q * scale) @ k.transpose(-2, -1)
-    attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
-    attn = F.dropout(attn.softmax(dim=-1), dropout_p)
-    return attn.to(v.dtype) @ v
-
-
 @torch.fx.wrap
 @register_notrace_function
 def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
                  is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """``scaled_dot_product_attention``, zero-padding head dims to equal width for torch's CPU flash kernel (exact).
+    """``scaled_dot_product_attention``; on CPU head dims zero-padded to equal width for torch's flash kernel (exact).
 
-    Without gradients on CPU, the explicit product where padding would cost the flash kernel more (``pad_pays``).
     A float mask is cast to q's dtype (SDPA refuses a float32 mask on bfloat16 queries).
     """
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.to(q.dtype)
     value_dim = v.shape[-1]
     if q.device.type == "cpu":
-        if not torch.is_grad_enabled() and not pad_pays(q.shape[-1], value_dim):
-            return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
         q, k, v = equal_head_dims(q, k, v)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
@@ -133,22 +117,11 @@ def content_mask(content: Optional[torch.Tensor], scale: float, attn_mask: Optio
     return maybe_add_mask(bias, resolve_self_attn_mask(seq_len, bias, attn_mask, is_causal))
 
 
-def explicit_collaborative(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor],
-                           is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """Eq. 5 written out: mixed queries ``q diag(m_i)`` (B, Nh, N, D~k), keys broadcast to every head, content mask."""
-    B, N, key_dim = k.shape
-    heads = mixing.shape[0]
-    q_mixed = q.unsqueeze(1) * mixing.to(q.dtype).unsqueeze(1)
-    k_heads = k.unsqueeze(1).expand(B, heads, N, key_dim)
-    mask = content_mask(content, scale, attn_mask, is_causal, N, q)
-    return explicit_attend(q_mixed, k_heads, v, scale, mask, False, dropout_p)
-
-
 def folded_sdpa(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
                 dropout_p: float) -> torch.Tensor:
-    """The folded layout (``sdpa_layout``) through ``fused_attend``: torch (or the compiler) picks the kernel."""
+    """The folded layout (``sdpa_layout``) through ``fused_attend``: the same function on every device, torch (or
+    the compiler) picks the kernel."""
     q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
     q2, k2 = head_queries(q_ext, m_ext), shared_keys(k_ext, m_ext.shape[0])
     return fused_attend(q2, k2, v, scale, attn_mask, is_causal, dropout_p)
@@ -156,20 +129,9 @@ def folded_sdpa(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch
 
 @torch.jit.unused
 def core_attend(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor],
-                is_causal: bool) -> torch.Tensor:
-    """``CollaborativeCore`` (CPU, no dropout), the content bias as its additive mask."""
-    mask = content_mask(content, scale, attn_mask, is_causal, q.shape[1], q)
+                mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """``CollaborativeCore`` (eager only: graph capture never takes it)."""
     return CollaborativeCore.apply(q, mixing, k, v, mask, scale)
-
-
-@torch.jit.unused
-def pinned_attend(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
-                  dropout_p: float) -> Optional[torch.Tensor]:
-    """The folded layout on the pinned fused kernel; None where the kernel refuses the input (it warned once)."""
-    q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
-    return pinned_sdpa(q_ext, m_ext, k_ext, v, scale, attn_mask, is_causal, dropout_p)
 
 
 @torch.fx.wrap
@@ -186,11 +148,11 @@ def collaborative_attend(
         dropout_p: float,
         fused: bool,
 ) -> torch.Tensor:
-    """Eq. 5 attention of all heads: (B, Nh, N, dh), by the implementation ``dispatch.select_path`` names.
+    """Eq. 5 attention of all heads: (B, Nh, N, dh), by the route ``dispatch.select_path`` names.
 
     Shared queries/keys (B, N, D~k), mixing (Nh, D~k), values (B, Nh, N, dh), content scores ``c(x)`` (B, N, Nh)
     or None. Inputs are first cast to the compute dtype (autocast's, else q's); so is a float mask. A leaf for
-    ``torch.fx`` (the choice is made when the graph runs) and scriptable (graph capture takes ``sdpa``).
+    ``torch.fx`` (the route is chosen when the graph runs) and scriptable.
     """
     dtype = compute_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -198,17 +160,14 @@ def collaborative_attend(
         content = content.to(dtype)
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.to(dtype)
-    path = select_path(q.device.type, fused, dropout_p, torch.jit.is_scripting(), torch.compiler.is_compiling(),
-                       torch.jit.is_tracing())
-    if path == Path.CORE:
-        return core_attend(q, mixing, k, v, content, scale, attn_mask, is_causal)
-    if path == Path.SDPA_PINNED:
-        out = pinned_attend(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
-        if out is not None:
-            return out
-    elif path == Path.SDPA:
+    capturing = torch.jit.is_scripting() or torch.compiler.is_compiling() or torch.jit.is_tracing()
+    path = select_path(q.device.type, fused, dropout_p, capturing)
+    if path == Path.SDPA:
         return folded_sdpa(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
-    return explicit_collaborative(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
+    mask = content_mask(content, scale, attn_mask, is_causal, q.shape[1], q)
+    if path == Path.CORE:
+        return core_attend(q, mixing, k, v, mask, scale)
+    return explicit_collaborative(q, mixing, k, v, mask, scale, dropout_p)
 
 
 class HeadOutput(nn.Module):

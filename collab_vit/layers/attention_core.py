@@ -1,29 +1,37 @@
-"""The collaborative attention core on CPU: ``softmax(scale * (q diag(m_i)) k^T + mask) v_i`` for every head i (eq. 5).
+"""Eq. 5 on the CPU: ``softmax(scale * (q diag(m_i)) k^T + mask) v_i`` for every head i, and eq. 5 written out.
 
 All heads share the queries ``q`` and keys ``k`` (B, N, D~k); head i only re-weights the shared dims with ``m_i``. So
 the logits of all heads are ONE batched matmul ``(B, Nh*N, D~k) @ (B, D~k, N)``, and in backward the key gradient's
 sum over heads is the contraction of that same matmul. ``CollaborativeCore`` saves only the small tensors (shared
 queries and keys, mixing, values, mask, output and the row log-sum-exp); the (B, Nh, N, N) weights and the Nh x larger
-mixed queries exist only transiently, in forward and again in backward. Measurements: ``benchmarks/attention_notes.md``.
+mixed queries exist only transiently, in forward and again in backward. Why each choice: ``benchmarks/attention_notes.md``.
 
-Precision: the products run in the inputs' (compute) dtype, bfloat16 under autocast; the softmax statistics (logits
-of a chunk, row log-sum-exp, ``rowsum(dO * O)``) and the accumulations across chunks (mixing and mask gradients) are
-float32 at least (``stats_dtype``). Autocast is off inside the core: it does exactly the casts written here.
+Precision: the products run in the inputs' (compute) dtype, bfloat16 under autocast; the softmax statistics (logits,
+row log-sum-exp, ``rowsum(dO * O)``) and the accumulations across chunks (mixing and mask gradients) are float32 at
+least (``stats_dtype``). Autocast is off inside the core: it does exactly the casts written here.
 """
 
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
+
+
+def has_cpu_flash() -> bool:
+    """Whether this torch has the private op of its CPU flash kernel that returns the row log-sum-exp, taking an
+    additive ``attn_mask`` as ``flash_forward`` calls it."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return op is not None and "attn_mask" in str(op.default._schema)
+
+
+CPU_FLASH = has_cpu_flash()  # the one feature check; without the op the core's forward is the grouped matmuls
+CHUNK_BYTES = 4 << 20  # working set of one chunk's (c, Nh, N, N) weights: stays in cache and in reused heap blocks
 
 
 def flash_pays(key_dim: int, head_dim: int) -> bool:
-    """Whether torch's CPU flash kernel, on head dims zero-padded to equal width, beats the grouped matmuls.
-
-    Measured on a 2-core AVX-512 Xeon (B=16, Nh=12, N=197, value head dim 64, forward): flash 15 ms vs 33 ms at
-    D~k = 64 (no padding), even at 128 (24 vs 21), behind from 192 (35 vs 26) to 768 (184 vs 86 ms). Padding the
-    queries/keys up to the value head dim costs the flash kernel little, so every D~k below the head dim pads.
-    """
+    """Whether the core's forward takes CPU flash (head dims zero-padded to equal width) over the grouped matmuls:
+    at key dims up to twice the value head dim."""
     return key_dim <= 2 * head_dim
 
 
@@ -42,15 +50,6 @@ def equal_head_dims(
     return q, k, v
 
 
-def pad_pays(qk_dim: int, v_dim: int) -> bool:
-    """Whether CPU flash on zero-padded head dims beats the explicit product (inference; ``attention_notes.md``).
-
-    Measured per head (B=16, Nh=12, N=197, v 64, forward ms, flash vs explicit): q/k 8: 17 vs 11; 16: 14 vs 25;
-    32: 14 vs 29; 128: 24 vs 40; 256: 62 vs 41. Padding q/k is cheap up to 4x, padding v up to 2x.
-    """
-    return v_dim <= 4 * qk_dim if qk_dim < v_dim else qk_dim <= 2 * v_dim
-
-
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of softmax statistics and accumulations: float32 for 16-bit inputs, else the inputs' own."""
     return torch.promote_types(dtype, torch.float32)
@@ -64,6 +63,25 @@ def scaled_mixing(mixing: torch.Tensor, scale: float, dtype: torch.dtype) -> tor
 def mixed_queries(q: torch.Tensor, mixing_scaled: torch.Tensor) -> torch.Tensor:
     """``scale * q diag(m_i)`` for every head (eq. 5), as (B, Nh, N, D~k) in q's dtype."""
     return q.unsqueeze(1) * mixing_scaled.unsqueeze(1)
+
+
+def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
+                    is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` written out, as timm's ``Attention`` without ``fused_attn``.
+
+    The logits, mask and softmax are in ``stats_dtype`` (float32 for 16-bit inputs); the weights meet ``v`` in its
+    dtype. Differentiable to any order.
+    """
+    attn = ((q * scale) @ k.transpose(-2, -1)).to(stats_dtype(q.dtype))
+    attn = maybe_add_mask(attn, resolve_self_attn_mask(q.shape[-2], attn, attn_mask, is_causal))
+    return F.dropout(attn.softmax(dim=-1), dropout_p).to(v.dtype) @ v
+
+
+def explicit_collaborative(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: Optional[torch.Tensor], scale: float, dropout_p: float = 0.) -> torch.Tensor:
+    """Eq. 5 written out: the mixed queries of every head (B, Nh, N, D~k) against the shared keys, additive mask."""
+    q_mixed = mixed_queries(q, scaled_mixing(mixing, scale, q.dtype))
+    return explicit_attend(q_mixed, k.unsqueeze(1), v, 1., mask, False, dropout_p)
 
 
 def logits(q_mixed: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -81,21 +99,14 @@ def logits(q_mixed: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor])
 def flash_forward(q_mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and row log-sum-exp from torch's CPU flash kernel, zero-padding head dims to equal width (exact)."""
-    e, ev = q_mixed.shape[-1], v.shape[-1]
+    ev = v.shape[-1]
     q_mixed, keys, v = equal_head_dims(q_mixed, k.unsqueeze(1).expand(-1, q_mixed.shape[1], -1, -1), v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_mixed, keys, v, attn_mask=mask, scale=1.)
     return out[..., :ev], lse
 
 
-CHUNK_BYTES = 4 << 20  # working set of one chunk's (c, Nh, N, N) weights: stays in cache and in reused heap blocks
-
-
 def batch_chunks(batch: int, heads: int, queries: int, keys: int) -> list[slice]:
-    """Slices of the batch whose attention weights take about ``CHUNK_BYTES`` each (at least one sample).
-
-    Measured (``attention_notes.md``): one (16, 12, 197, 197) float32 tensor of weights is 30 MB; computed in chunks
-    of 1 to 2 samples, a k192 layer's forward went from 92 to 163 ms (noisy, allocation-bound) to about 80 ms.
-    """
+    """Slices of the batch whose attention weights take about ``CHUNK_BYTES`` each (at least one sample)."""
     per_sample = heads * queries * keys * 4
     step = max(1, CHUNK_BYTES // per_sample)
     return [slice(i, min(i + step, batch)) for i in range(0, batch, step)]
@@ -110,7 +121,8 @@ def mask_rows(mask: Optional[torch.Tensor], rows: slice, batch: int) -> Optional
 
 def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output (B, Nh, N, dh) and row log-sum-exp (B, Nh, N), by whichever of the two is faster.
+    """Attention output (B, Nh, N, dh) and row log-sum-exp (B, Nh, N): CPU flash where it pays and exists, else the
+    grouped matmuls.
 
     Works through the batch in chunks (``batch_chunks``). The output is laid out as (B, N, Nh, dh), so merging the
     heads afterwards is a view: autograd then saves one tensor (this output) where it would save two.
@@ -121,7 +133,7 @@ def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torc
         mask = mask.to(q.dtype)
     out = q.new_empty(B, N, H, ev).transpose(1, 2)
     lse = q.new_empty(B, H, N, dtype=stats_dtype(q.dtype))
-    use_flash = flash_pays(q.shape[-1], ev)
+    use_flash = CPU_FLASH and q.device.type == "cpu" and flash_pays(q.shape[-1], ev)
     mixing_scaled = scaled_mixing(mixing, scale, q.dtype)
     for rows in batch_chunks(B, H, N, k.shape[1]):
         q_mixed = mixed_queries(q[rows], mixing_scaled)
@@ -136,16 +148,6 @@ def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torc
     return out, lse
 
 
-def reference_core(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """Eq. 5 written out with autograd ops, with the core's casts: differentiable to any order (double backward)."""
-    logits = mixed_queries(q, scaled_mixing(mixing, scale, q.dtype)) @ k.unsqueeze(1).transpose(-2, -1)
-    logits = logits.to(stats_dtype(q.dtype))
-    if mask is not None:
-        logits = logits + mask
-    return logits.softmax(dim=-1).to(v.dtype) @ v
-
-
 class CollaborativeCore(torch.autograd.Function):
     """Eq. 5 attention whose backward recomputes the weights ``P = exp(logits - lse)`` instead of storing them.
 
@@ -155,8 +157,8 @@ class CollaborativeCore(torch.autograd.Function):
     Forward and backward both work through the batch in chunks (``batch_chunks``).
 
     Second order (``create_graph=True``: gradient penalties, Hessian-vector products): that backward is not itself
-    differentiable (the saved lse is cut from the graph), so there it differentiates ``reference_core`` on the saved
-    inputs instead: exact double backward, at the explicit path's memory.
+    differentiable (the saved lse is cut from the graph), so there it differentiates ``explicit_collaborative`` on the
+    saved inputs instead: exact double backward, at the explicit route's memory.
     """
 
     @staticmethod
@@ -184,7 +186,7 @@ class CollaborativeCore(torch.autograd.Function):
         needs = ctx.needs_input_grad[:5]
         inputs = [t for t, need in zip((q, mixing, k, v, mask), needs) if need]
         with torch.autocast(q.device.type, enabled=False):
-            out = reference_core(q, mixing, k, v, mask, ctx.scale)
+            out = explicit_collaborative(q, mixing, k, v, mask, ctx.scale)
         grads = iter(torch.autograd.grad(out, inputs, grad_out, create_graph=True))
         return tuple(next(grads) if need else None for need in needs) + (None,)
 
