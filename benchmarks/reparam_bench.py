@@ -69,7 +69,7 @@ def probe_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def output_error(attn, decomposition: dec.Decomposition, tokens: torch.Tensor) -> float:
     """||attn~(x) - attn(x)|| / ||attn(x)||, as ``convert`` computes it."""
-    layer = reparam.compressed_from_attention(attn, decomposition)
+    layer = reparam.layer_from_decomposition(attn, decomposition)
     with torch.no_grad():
         return reparam._relative(layer.eval()(tokens), attn.eval()(tokens))
 

@@ -33,11 +33,12 @@ import torch
 from runner import ROOT, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
+from collab_vit.layers.forms import collaborative_logits
 from collab_vit.conversion.calibration import calibration_images, whitening
 from collab_vit.conversion.capture import source_tokens
-from collab_vit.conversion.decompose import Decomposition, relative_error, split_qkv_heads
+from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.reparam import (_output_error, compressed_from_attention, probe_input_size,
+from collab_vit.conversion.reparam import (_output_error, layer_from_decomposition, probe_input_size,
                                            reparametrize_layers, timm_attention_layers)
 
 HELD_OUT = 64
@@ -77,15 +78,12 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
             a, b, back_q, back_k = sq.root.T @ wq, sk.root.T @ wk, sq.inverse_t, sk.inverse_t
         else:
             a, b, back_q, back_k = wq, wk, torch.eye(d, dtype=torch.float64), torch.eye(d, dtype=torch.float64)
-        query, key = torch.zeros(d, nh * r, dtype=torch.float64), torch.zeros(d, nh * r, dtype=torch.float64)
-        mixing = torch.zeros(nh, nh * r, dtype=torch.float64)
-        for i in range(nh):
-            u, s, vh = torch.linalg.svd(a[i] @ b[i].T)
-            query[:, i * r:(i + 1) * r] = back_q @ (u[:, :r] * s[:r].sqrt())
-            key[:, i * r:(i + 1) * r] = back_k @ (vh[:r].T * s[:r].sqrt())
-            mixing[i, i * r:(i + 1) * r] = 1
-        err = relative_error(wq, wk, query, key, mixing)
-        layer = compressed_from_attention(attn, Decomposition(query.float(), key.float(), mixing.float(), err, 0))
+        u, s, vh = torch.linalg.svd(a @ b.transpose(1, 2))  # each head's T_i, cut to r dims
+        root = s[:, :r].sqrt().unsqueeze(1)
+        cut = exact_decomposition(back_q @ (u[:, :, :r] * root), back_k @ (vh[:, :r].transpose(1, 2) * root), nh * r)
+        err = relative_error(wq, wk, cut.query, cut.key, cut.mixing)
+        layer = layer_from_decomposition(attn, Decomposition(cut.query.float(), cut.key.float(), cut.mixing.float(),
+                                                             err, 0))
         rows.append({"name": name, "key_dim": nh * r, "tensor_error": err,
                      "output_error": _output_error(layer, attn, held_tokens[index])})
         parent, _, child = name.rpartition(".")
@@ -93,23 +91,28 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
     return rows
 
 
+def logits(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Eq. 5's logits of a collaborative layer (``layers.forms.collaborative_logits``), content bias included."""
+    content = layer.content_bias(x) if layer.content_bias is not None else None
+    return collaborative_logits(layer.query(x), layer.mixing, layer.key(x), content, layer.scale)
+
+
 @torch.no_grad()
 def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: torch.Tensor) -> float:
-    """The exact objective on held-out images, relative: sqrt(sum_b sum_i ||X_b E_i Xc_b^T||^2 / same with T_i)
-    (docs/math.md; X_b the source's tokens of image b, Xc_b centred within it), mean over layers."""
+    """The exact objective on held-out images, relative: sqrt(sum ||centre(logits~ - logits)||^2 / sum
+    ||centre(logits)||^2), rows centred over the keys (softmax ignores row constants; docs/math.md), float64, the
+    source's logits from its exact collaborative form; mean over layers."""
     layers = timm_attention_layers(source)
     _, tokens, _ = source_tokens(source.eval(), layers, held, 0, 256)
     errors = []
     for (name, attn), x in zip(layers, tokens):
-        new = model.get_submodule(name)
-        wq, wk = (w.double() for w in split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads))
-        t = wq @ wk.transpose(1, 2)
-        q, k, m = (p.detach().double() for p in (new.query.weight.T, new.key.weight.T, new.mixing))
-        approx = torch.einsum("dr,ir,er->ide", q, m, k)
-        x = x.double()
-        xc = x - x.mean(1, keepdim=True)
-        num = torch.einsum("bnd,ide,bme->binm", x, t - approx, xc).square().sum()
-        den = torch.einsum("bnd,ide,bme->binm", x, t, xc).square().sum()
+        wq, wk = split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads)
+        exact = layer_from_decomposition(attn, exact_decomposition(wq, wk, attn.num_heads * attn.head_dim)).double()
+        new = copy.deepcopy(model.get_submodule(name)).double()
+        ref = logits(exact, x.double())
+        diff = logits(new, x.double()) - ref
+        num = (diff - diff.mean(-1, keepdim=True)).square().sum()
+        den = (ref - ref.mean(-1, keepdim=True)).square().sum()
         errors.append(float((num / den).sqrt()))
     return fmean(errors)
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention
+from ..layers.forms import collaborative_logits
 
 REFINE_LOSSES = ("model-kl", "attention-kl", "logit-mse")
 
@@ -166,11 +167,9 @@ def attention_logits(attn: nn.Module, x: Tensor) -> Tensor:
     """Every head's attention logits ``(B, Nh, N, N)``, scale included, of a timm ``Attention`` (fused ``qkv``) or a
     ``CollaborativeAttention`` (eq. 5: ``(x W~q) diag(m_i) (x W~k)^T + c_i . x_m``, times ``1 / sqrt(dh)``)."""
     if isinstance(attn, CollaborativeAttention):
-        q, k = attn.q_norm(attn.query(x)), attn.k_norm(attn.key(x))
-        logits = torch.einsum("bnr,hr,bmr->bhnm", q, attn.mixing, k)
-        if attn.content_bias is not None:
-            logits = logits + attn.content_bias(x).transpose(1, 2).unsqueeze(2)
-        return logits * attn.scale
+        content = attn.content_bias(x) if attn.content_bias is not None else None
+        return collaborative_logits(attn.q_norm(attn.query(x)), attn.mixing, attn.k_norm(attn.key(x)), content,
+                                    attn.scale)
     B, N, _ = x.shape
     qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])

@@ -24,8 +24,8 @@ from ..layers.attention import CollaborativeAttention, check_key_dim
 from .calibration import (DEFAULT_RIDGE, Calibration, TokenMoments, Whitening, calibration_images, prefix_weight_for,
                           whitened_decomposition, whitened_rank, whitening)
 from .capture import CAPTURES, block_tokens, check_sequential, model_outputs, prefix_tokens, source_tokens
-from .decompose import (Decomposition, cp_decompose, energy_spectrum, parafac_decompose, rank_for_energy,
-                        split_qkv_heads, tucker_decompose)
+from .decompose import (Decomposition, cp_decompose, energy_spectrum, exact_decomposition, parafac_decompose,
+                        rank_for_energy, split_qkv_heads, tucker_decompose)
 from .refine import RefineResult, check_layerwise, check_loss, check_steps, refine_layer, refine_logits
 from .forms import keeps_form
 from .support import all_or_nothing, attention_forms, attention_reason
@@ -86,24 +86,30 @@ def resolve_key_dims(spec: KeyDimSpec, layers: list[tuple[str, Attention]]) -> l
     raise ValueError(f"key_dim must be a positive integer, a list or a threshold in (0, 1], got {spec!r}")
 
 
-def compressed_from_attention(attn: Attention, decomposition: Decomposition) -> CollaborativeAttention:
-    """Collaborative layer with ``W~q, W~k, M`` from ``decomposition``; values, projection and biases exact."""
-    key_dim = decomposition.query.shape[1]
-    layer = CollaborativeAttention.from_attention(attn)  # exact at full rank: values, content bias, output
-    compressed = CollaborativeAttention(
-        layer.value.in_features, layer.num_heads, key_dim=key_dim, qkv_bias=layer.content_bias is not None,
-        proj_bias=layer.proj.bias is not None, attn_drop=layer.attn_drop.p, proj_drop=layer.proj_drop.p,
-        device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype,
-    )
-    for part in ("value", "content_bias", "norm", "proj", "attn_drop", "proj_drop"):
-        setattr(compressed, part, getattr(layer, part))
-    dtype = attn.qkv.weight.dtype
+def layer_from_decomposition(attn: Attention, decomposition: Decomposition) -> CollaborativeAttention:
+    """The collaborative layer of ``attn`` with ``W~q, W~k, M`` from ``decomposition`` (section 3.3): the one
+    construction, exact with ``decompose.exact_decomposition`` (the concatenate construction). Values, projection
+    and norm are copied; the query bias becomes the content bias ``c_i = Wk_i bq_i`` (section 2.2); the key bias is
+    dropped (constant along each softmax row)."""
+    dim, heads, weight = attn.qkv.in_features, attn.num_heads, attn.qkv.weight
+    has_bias = attn.qkv.bias is not None
+    layer = CollaborativeAttention(
+        dim, heads, key_dim=decomposition.query.shape[1], qkv_bias=has_bias, proj_bias=attn.proj.bias is not None,
+        attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
-        compressed.query.weight.copy_(decomposition.query.T.to(dtype))
-        compressed.key.weight.copy_(decomposition.key.T.to(dtype))
-        compressed.mixing.copy_(decomposition.mixing.to(dtype))
-    compressed.fused_attn = attn.fused_attn
-    return compressed.train(attn.training)
+        layer.query.weight.copy_(decomposition.query.T)
+        layer.key.weight.copy_(decomposition.key.T)
+        layer.mixing.copy_(decomposition.mixing)
+        layer.value.weight.copy_(weight[2 * dim:])
+        if has_bias:
+            b_q, _, b_v = attn.qkv.bias.chunk(3)
+            layer.value.bias.copy_(b_v)
+            _, wk = split_qkv_heads(weight, heads)  # (Nh, D, dh): c_i = Wk_i bq_i
+            layer.content_bias.weight.copy_((wk @ b_q.reshape(heads, -1, 1)).squeeze(-1))
+        layer.proj.load_state_dict(attn.proj.state_dict())
+    layer.norm = copy.deepcopy(attn.norm)  # scale_norm, with its exact eps and weights
+    layer.fused_attn = attn.fused_attn
+    return layer.train(attn.training)
 
 
 @dataclass
@@ -154,7 +160,7 @@ def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str
     spectrum = whitening(moments, ridge) if weighted_threshold else sides
     rank, source = layer_key_dim(key_dim, wq, wk, spectrum)
     if rank >= attn.num_heads * attn.head_dim:
-        return LayerFit(CollaborativeAttention.from_attention(attn, key_dim=rank), rank, 0.0,
+        return LayerFit(layer_from_decomposition(attn, exact_decomposition(wq, wk, rank)), rank, 0.0,
                         None if sides is None else 0.0, source)
     whitened = None
     with single_thread():
@@ -162,7 +168,7 @@ def fit_attention(attn: Attention, key_dim: Union[None, int, float], method: str
             decomposition = METHODS[method](wq, wk, rank, **options)
         else:
             decomposition, whitened = whitened_decomposition(wq, wk, rank, sides, METHODS[method], **options)
-    return LayerFit(compressed_from_attention(attn, decomposition), rank, decomposition.relative_error, whitened,
+    return LayerFit(layer_from_decomposition(attn, decomposition), rank, decomposition.relative_error, whitened,
                     source)
 
 
