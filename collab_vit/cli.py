@@ -9,12 +9,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import timm
 import torch
 
-from .conversion.reparam import METHODS, reparametrize
+from .conversion.fit import METHODS
+from .conversion.recipe import EFFORTS
+from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
 from .weights_io import WriteError, one_line
 
@@ -127,23 +129,11 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
     return data
 
 
-def _prefix_weight(text: str) -> Union[float, str]:
-    if text == "balanced":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'balanced', got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'balanced', got {text!r}")
-    return value
-
-
 def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module, dict], Any]]:
     """What ``convert_to_file`` calls with the source model and its metadata to get the calibration images."""
     if not args.calibration_data_dir:
-        if args.calibration_dataset or getattr(args, "refine_steps", 0):
-            raise ValueError("--calibration-dataset and --refine-steps need --calibration-data-dir")
+        if args.calibration_dataset:
+            raise ValueError("--calibration-dataset needs --calibration-data-dir")
         return None
     if args.calibration_images <= 0:
         raise ValueError(f"--calibration-images must be positive, got {args.calibration_images}")
@@ -153,7 +143,8 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from .conversion.files import convert_to_file, format_report, parse_key_dim
+    from .conversion.files import convert_to_file, format_report, format_summary, parse_key_dim
+    from .conversion.recipe import Recipe
     from .conversion.support import kept_text
     from .hub import save_pretrained
     from .training.flags import parse_key_value_pairs
@@ -162,17 +153,13 @@ def _convert(args: argparse.Namespace) -> None:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
     calibration = _calibration(args)
-    extra = {} if calibration is None else dict(capture=args.calibration_capture, ridge=args.ridge,
-                                                 refine_steps=args.refine_steps, refine_lr=args.refine_lr,
-                                                 refine_loss=args.refine_loss, refine_values=args.refine_values,
-                                                 amp=args.calibration_amp,
-                                                 prefix_weight=args.calibration_prefix_weight)
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
-                              device=args.device, max_iter=args.max_iter, tol=args.tol,
-                              save_folder=save_pretrained,
-                              **extra)
+                              device=args.device, save_folder=save_pretrained, effort=args.effort,
+                              recipe=Recipe(ridge=args.ridge, amp=torch.device(args.device).type == "cuda"))
     print(format_report(reports))
+    if reports.summary:
+        print(format_summary(reports.summary))
     if reports.kept:
         print("kept as they are:\n" + kept_text(reports.kept))
     sidecar = args.out.with_suffix(".json") if args.out.suffix == ".safetensors" else args.out / "conversion.json"
@@ -182,10 +169,12 @@ def _convert(args: argparse.Namespace) -> None:
 def _analyze(args: argparse.Namespace) -> None:
     from .conversion.files import analyze_to_files
 
-    table, suggestion = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold,
-                                         calibration=_calibration(args), ridge=args.ridge)
+    table, suggestion, budget = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold,
+                                                 calibration=_calibration(args), ridge=args.ridge)
     print(table)
-    print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}")
+    print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}\n"
+          f"suggested budget (the same {args.threshold:.0%} of the energy summed over the layers, spread by marginal "
+          f"gain): --key-dim {budget}")
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
@@ -208,46 +197,28 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help="re-parametrise a timm ViT (DeiT, DeiT-III, augreg, CLIP, SigLIP, DINOv2, registers, ...) "
         "into collaborative attention",
-        description="Convert any timm VisionTransformer built from timm's Attention (fused qkv; layer scale, "
-        "registers, no class token, pre-norm; attention-pool heads kept as they are). qk_norm, rotary embeddings, "
-        "models without such attention, and designs no registered entry point rebuilds (BEiT, EVA, parallel "
-        "blocks: convert those with collab_vit.reparametrize_layers in Python) are refused with one line before "
-        "anything is downloaded or written.")
-    convert.add_argument("--model", help="timm model name, e.g. deit_base_patch16_224, vit_small_patch14_dinov2 "
-                         "(default: read from the checkpoint)")
+        description="Convert a timm ViT built from timm's Attention into collaborative attention. Recommended: "
+        "--key-dim K (or budget=F) with calibration images (--calibration-data-dir ...): candidates are measured on "
+        "held-out images and the result is never worse there than the weight-only conversion. Models that cannot "
+        "convert (qk_norm, rope, ...) are refused with one line before anything is downloaded or written.")
+    convert.add_argument("--model", help="timm model name, e.g. deit_base_patch16_224 (default: read from the "
+                         "checkpoint)")
     convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors) for --model; default: timm's "
                          "pretrained weights")
     convert.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
                          help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10")
-    convert.add_argument("--key-dim", required=True, help="int, energy threshold (0.95) or comma list per layer")
+    convert.add_argument("--key-dim", required=True, help="int (every layer), comma list (per layer), budget=F "
+                         "(F of the source's q/k parameters, spread over the layers) or an energy threshold (0.95)")
     convert.add_argument("--method", choices=list(METHODS), default="tucker",
                          help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense)")
     convert.add_argument("--out", type=Path, required=True,
-                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout (save_pretrained: "
-                         "config.json, model.safetensors; timm.create_model('local-dir:FOLDER')) + conversion.json")
-    convert.add_argument("--seed", type=int, default=0)
-    convert.add_argument("--max-iter", type=int, default=100)
-    convert.add_argument("--tol", type=float, default=1e-6)
-    data = add_calibration_flags(convert, "data-aware conversion")
-    data.add_argument("--calibration-amp", action="store_true",
-                      help="bfloat16 autocast for the forward passes that capture the tokens (moments still summed "
-                      "in float64; on a CPU with AVX512-BF16 or a GPU, several times faster)")
-    data.add_argument("--calibration-prefix-weight", type=_prefix_weight, default=1.0, metavar="W",
-                      help="times the class token's (and registers') queries count in the query moment, or "
-                      "'balanced' (as much as all patch tokens); the head reads the class token (default: 1)")
-    data.add_argument("--calibration-capture", choices=["source", "sequential"], default="source",
-                      help="tokens of the source model, or of the partially converted one layer after layer")
-    data.add_argument("--refine-steps", type=int, default=0,
-                      help="Adam steps matching the source on the calibration images, per layer for the layer-wise "
-                      "losses (default: 0)")
-    data.add_argument("--refine-lr", type=float, default=1e-3)
-    data.add_argument("--refine-loss", choices=["model-kl", "attention-kl", "logit-mse"], default="model-kl",
-                      help="model-kl: the model's output logits (all layers at once); attention-kl / logit-mse: "
-                      "layer by layer, each head's attention probabilities / row-centred logits (default: model-kl)")
-    data.add_argument("--refine-values", action="store_true",
-                      help="model-kl: refine the value and output projections too (default: W~q, W~k, M only)")
-    data.add_argument("--device", default="cpu", help="where the forward passes and the refinement run, e.g. cuda "
-                      "(the decompositions run on the CPU; default: cpu)")
+                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json")
+    convert.add_argument("--seed", type=int, default=0, help="decompositions, refinement, calibration draw")
+    convert.add_argument("--device", default="cpu", help="forward passes and refinement, e.g. cuda (default: cpu)")
+    data = add_calibration_flags(convert, "the recommended recipe")
+    data.add_argument("--effort", choices=list(EFFORTS), default="default",
+                      help="fast: closed forms only; default: the better one refined (steps proportional to the "
+                      "images); thorough: both refined")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")

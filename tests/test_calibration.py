@@ -1,5 +1,5 @@
 """Data-aware re-parametrisation (docs/math.md, "Data-aware conversion"): the whitened objective, exactness,
-planted anisotropic tokens, singular moments, calibration inputs, sequential capture, refinement, bad inputs."""
+planted anisotropic tokens, singular moments, calibration inputs, the recipe and its guard, refinement, bad inputs."""
 from __future__ import annotations
 
 import copy
@@ -10,9 +10,25 @@ import torch
 from timm.layers import Attention
 
 import collab_vit
-from collab_vit.conversion.calibration import TokenMoments, calibration_images, whitener
+from collab_vit.conversion.calibration import TokenMoments, calibration_images, whitener, whitening
 from collab_vit.conversion.decompose import split_qkv_heads
-from collab_vit.conversion.reparam import fit_attention, reparametrize_attention
+from collab_vit.conversion.fit import fit_attention as fit_sides
+from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.reparam import convert_model, reparametrize_attention
+
+
+def fit_attention(attn: Attention, key_dim: int, method: str = "tucker", tokens=None, ridge: float = 1e-2):
+    """One layer fitted weight-only, or to ``tokens`` (their whitening, every token alike)."""
+    sides = None if tokens is None else whitening(TokenMoments.of(tokens), ridge)
+    return fit_sides(attn, key_dim, method, sides)
+
+
+def convert(model, key_dim, calibration, effort: str = "default", **recipe):
+    """The calibrated conversion with inside options (``Recipe``); returns the report."""
+    return convert_model(model, key_dim, "tucker", calibration, effort, 0, False, Recipe(**recipe))
+
+
+CLOSED = dict(candidates=("whitened",), prefix_weight=1.0)  # the whitened closed form alone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,18 +114,16 @@ def test_whitened_route_equals_the_dense_reference_objective(method: str) -> Non
     assert pooled_objective(tokens, t - approx) < pooled_objective(tokens, t - approx_w)
 
 
-@pytest.mark.parametrize("capture", ["source", "sequential"])
-def test_exact_at_full_rank_with_calibration(capture: str) -> None:
+def test_exact_at_full_rank_with_calibration() -> None:
     reference = tiny_deit(dtype=F64)
     converted = copy.deepcopy(reference)
-    reports = collab_vit.reparametrize_layers(converted, 24, calibration=images(6, dtype=F64), capture=capture,
-                                              progress=False)
+    reports = convert(converted, 24, images(6, dtype=F64), "thorough")
     x = images(3, seed=5, dtype=F64)
     with torch.no_grad():
         expected, actual = reference(x), converted(x)
     # float64 end to end; the concatenate construction only reorders sums of length D = 24
     assert (actual - expected).abs().max() <= 1e3 * 2**-53 * expected.abs().max()
-    assert all(r.tensor_error == 0 and r.whitened_error == 0 for r in reports)
+    assert reports.summary["chosen"] == "weight" and all(r.tensor_error == 0 for r in reports)  # ties: weight-only
 
 
 def test_calibrated_beats_weight_only_on_held_out_planted_tokens() -> None:
@@ -158,8 +172,7 @@ def test_dataloader_and_tensor_give_the_same_layer() -> None:
     results = []
     for calibration in (x, loader, list(x.split(3))):
         converted = copy.deepcopy(model)
-        collab_vit.reparametrize_layers(converted, 6, calibration=calibration, max_iter=0, holdout=2, batch_size=5,
-                                        progress=False)
+        convert(converted, 6, calibration, holdout=2, batch_size=5, decomposition=dict(max_iter=0), **CLOSED)
         results.append(converted)
     probe = images(2, seed=7, dtype=F64)
     with torch.no_grad():
@@ -169,37 +182,28 @@ def test_dataloader_and_tensor_give_the_same_layer() -> None:
     assert calibration_images(loader, (3, 16, 16), max_images=7).shape[0] == 7
 
 
-def test_sequential_capture_holds_two_layers_of_tokens() -> None:
-    model = tiny_deit()
-    reports = collab_vit.reparametrize_layers(model, 6, calibration=images(12), capture="sequential", holdout=4,
-                                              progress=False)
-    one_layer = 12 * 17 * 24 * 4  # images x tokens (16 patches + class) x D x float32 bytes
-    assert reports.summary["peak_token_bytes"] <= 2 * one_layer + 2 * 4 * 17 * 24 * 4
-    assert reports[0].error_tokens == "4 held-out calibration images"
-
-
 def test_refinement_is_deterministic_and_moves_only_queries_keys_mixing() -> None:
     runs = []
     for _ in range(2):
         model = tiny_deit()
-        reports = collab_vit.reparametrize_layers(model, 3, calibration=images(16), refine_steps=8, refine_lr=1e-2,
-                                                  batch_size=8, progress=False)
+        reports = convert(model, 3, images(16), candidates=("whitened+refine",), prefix_weight=1.0, refine_steps=8,
+                          refine_lr=1e-2, batch_size=8)
         runs.append((model, reports))
     (a, ra), (b, _) = runs
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     closed = tiny_deit()  # the same closed form (same batches of moments), without the refinement
-    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), batch_size=8, progress=False)
+    convert(closed, 3, images(16), batch_size=8, **CLOSED)
     for name, value in a.state_dict().items():
         moved = not torch.equal(value, closed.state_dict()[name])
         assert moved == any(part in name for part in (".query.", ".key.", ".mixing")), name
-    assert ra.summary["refine"]["steps"] == 8 and ra[0].refined_output_error is not None
+    assert ra.summary["refine"]["steps"] == 8 and ra.summary["chosen"] == "whitened+refine"
 
 
 def test_energy_threshold_uses_the_whitened_spectrum() -> None:
-    reports = collab_vit.reparametrize_layers(tiny_deit(), 0.9, calibration=images(8), progress=False)
-    assert all(r.key_dim_from == "whitened spectrum" and 0 < r.key_dim <= 24 for r in reports)
-    reports = collab_vit.reparametrize_layers(tiny_deit(), 0.9, progress=False)
-    assert all(r.key_dim_from == "weight spectrum" for r in reports)
+    reports = convert(tiny_deit(), 0.9, images(8), "fast")
+    assert all(r.key_dim_from == "threshold (whitened spectra)" and 0 < r.key_dim <= 24 for r in reports)
+    reports = convert(tiny_deit(), 0.9, None)
+    assert all(r.key_dim_from == "threshold (weight spectra)" for r in reports)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -212,39 +216,81 @@ def test_energy_threshold_uses_the_whitened_spectrum() -> None:
 ])
 def test_bad_calibration_images(bad: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        collab_vit.reparametrize_layers(tiny_deit(), 6, calibration=bad, progress=False)
+        collab_vit.reparametrize(tiny_deit(), 6, calibration=bad, progress=False)
 
 
 def test_bad_calibration_options() -> None:
-    with pytest.raises(ValueError, match="capture must be one of"):
-        collab_vit.reparametrize_layers(tiny_deit(), 6, calibration=images(4), capture="x", progress=False)
+    with pytest.raises(ValueError, match="effort must be one of"):
+        collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="max", progress=False)
     with pytest.raises(ValueError, match="ridge must be a positive"):
-        collab_vit.reparametrize_layers(tiny_deit(), 6, calibration=images(4), ridge=0.0, progress=False)
-    with pytest.raises(ValueError, match="refine_steps needs calibration"):
-        collab_vit.reparametrize_layers(tiny_deit(), 6, refine_steps=3, progress=False)
+        convert(tiny_deit(), 6, images(4), ridge=0.0)
     with pytest.raises(ValueError, match="holdout must be"):
-        collab_vit.reparametrize_layers(tiny_deit(), 6, calibration=images(4), holdout=4, progress=False)
+        convert(tiny_deit(), 6, images(4), holdout=4)
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(capture="sequential"), "capture='sequential' was removed"),
+    (dict(refine_loss="attention-kl", refine_steps=2), "refine_loss other than 'model-kl' was removed"),
+    (dict(refine_values=True, refine_steps=2), "refine_values was removed"),
+])
+def test_removed_options_give_one_line(option: dict, message: str) -> None:
+    model = tiny_deit()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.warns(DeprecationWarning, match="reparametrize_layers is deprecated"):
+        with pytest.raises(ValueError, match=message):
+            collab_vit.reparametrize_layers(model, 3, calibration=images(8), progress=False, **option)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_deprecated_reparametrize_layers_keeps_its_meaning() -> None:
+    """The old entry (one release): the whitened closed form, refined by refine_steps; a DeprecationWarning."""
+    old, new = tiny_deit(), tiny_deit()
+    with pytest.warns(DeprecationWarning):
+        reports = collab_vit.reparametrize_layers(old, 3, calibration=images(16), refine_steps=4, batch_size=8,
+                                                  progress=False)
+    convert(new, 3, images(16), candidates=("whitened+refine",), prefix_weight=1.0, refine_steps=4, batch_size=8)
+    assert reports.summary["chosen"] == "whitened+refine"
+    assert all(torch.equal(v, new.state_dict()[k]) for k, v in old.state_dict().items())
+
+
+def test_never_worse_than_weight_only_on_held_out_images() -> None:
+    """The guard: a closed form worse than weight-only on the held-out images (here: fitted to one image repeated,
+    the class token that the head reads weighted 1e-6) is not returned; the weight-only conversion is, bit for bit."""
+    model = tiny_deit(2)
+    with torch.no_grad():
+        model.head.weight.mul_(6)
+    one = images(1, seed=10).repeat(24, 1, 1, 1)
+    calibration = torch.cat([one, images(8, seed=4)])  # the last 8 are held out
+    guarded = copy.deepcopy(model)
+    reports = convert(guarded, 4, calibration, "fast", holdout=8, prefix_weight=1e-6, ridge=1e-8)
+    kl = reports.summary["candidates"]
+    assert kl["whitened"] > 2 * kl["weight"], kl  # the case: the closed form is worse on the held-out images
+    assert reports.summary["chosen"] == "weight" and reports.summary["gain_over_weight_only"] == 0
+    weight_only = collab_vit.reparametrize(copy.deepcopy(model), 4, progress=False)
+    assert all(torch.equal(v, weight_only.state_dict()[k]) for k, v in guarded.state_dict().items())
+
+
+@pytest.mark.parametrize("effort", ["fast", "default", "thorough"])
+def test_default_recipe_reports_its_candidates(effort: str) -> None:
+    """``calibration=`` alone: the candidates of ``effort`` measured on the held-out images, the best kept, its KL
+    never above weight-only's; refinement steps scale with the fitting images (80 passes at batch 64)."""
+    model, report = collab_vit.reparametrize(tiny_deit(), 3, calibration=images(16), effort=effort, progress=False,
+                                             return_report=True)
+    s = report.summary
+    expected = {"fast": 2, "default": 3, "thorough": 4}[effort]
+    assert len(s["candidates"]) == expected and {"weight", "whitened"} <= set(s["candidates"])
+    assert s["held_out_kl"] == min(s["candidates"].values()) <= s["weight_only_kl"]
+    assert s["images_fit"] == 14 and s["images_held_out"] == 2
+    assert s["refine_steps"] == (0 if effort == "fast" else 18)  # ceil(80 * 14 / 64)
+    assert all(isinstance(m, collab_vit.CollaborativeAttention) for m in (b.attn for b in model.blocks))
 
 
 def test_refinement_that_makes_the_kl_worse_is_undone() -> None:
     """A far too large lr makes the mean KL worse: the closed-form weights come back, bit for bit."""
     model, closed = tiny_deit(), tiny_deit()
-    reports = collab_vit.reparametrize_layers(model, 3, calibration=images(16), refine_steps=3, refine_lr=10.0,
-                                              batch_size=8, progress=False)
-    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), batch_size=8, progress=False)
+    reports = convert(model, 3, images(16), candidates=("whitened+refine",), prefix_weight=1.0, refine_steps=3,
+                      refine_lr=10.0, batch_size=8)
+    convert(closed, 3, images(16), batch_size=8, **CLOSED)
     refine = reports.summary["refine"]
     assert refine["kept_start"] and refine["kl_after"] > refine["kl_before"]
     assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), closed.state_dict().values()))
-
-
-def test_refine_values_moves_values_and_output_projection_too() -> None:
-    model, closed = tiny_deit(), tiny_deit()
-    reports = collab_vit.reparametrize_layers(model, 3, calibration=images(16), refine_steps=8, refine_lr=1e-2,
-                                              refine_values=True, batch_size=8, progress=False)
-    collab_vit.reparametrize_layers(closed, 3, calibration=images(16), batch_size=8, progress=False)
-    assert reports.summary["refine"]["values"] is True
-    for name, value in model.state_dict().items():
-        moved = not torch.equal(value, closed.state_dict()[name])
-        assert moved == any(part in name for part in (".query.", ".key.", ".mixing", "attn.value.", "attn.proj.")), name
-    with pytest.raises(ValueError, match="refine_values needs refine_steps > 0 and refine_loss='model-kl'"):
-        collab_vit.reparametrize_layers(tiny_deit(), 3, calibration=images(8), refine_values=True, progress=False)

@@ -27,42 +27,44 @@ def exported(tmp_path, in_chans: int = 3, size: int = 16) -> str:
     return str(path)
 
 
-def test_help_lists_the_calibration_flags() -> None:
+def test_help_fits_one_screen_with_its_flags() -> None:
     convert = build_parser()._subparsers._group_actions[0].choices["convert"]
     text = convert.format_help()
-    for flag in ("--calibration-dataset", "--calibration-data-dir", "--calibration-split", "--calibration-images",
-                 "--calibration-capture", "--refine-steps", "--refine-loss", "--calibration-amp",
-                 "--calibration-prefix-weight", "--ridge"):
+    for flag in ("--model", "--checkpoint", "--model-kwargs", "--key-dim", "--out", "--seed", "--device",
+                 "--calibration-data-dir", "--calibration-dataset", "--calibration-split", "--calibration-images",
+                 "--effort", "--method"):
         assert flag in text
+    flags = [a for a in convert._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) <= 14 and len(text.splitlines()) <= 60
 
 
-def test_convert_with_calibration_images(tmp_path) -> None:
+def test_convert_with_calibration_images(tmp_path, capsys) -> None:
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
     out = tmp_path / "k6.safetensors"
     assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
-                     "--calibration-data-dir", data, "--calibration-images", "10", "--refine-steps", "2"]) == 0
+                     "--calibration-data-dir", data, "--calibration-images", "10"]) == 0
     sidecar = json.loads(out.with_suffix(".json").read_text())
-    assert sidecar["calibration"]["images_fit"] == 9 and sidecar["calibration"]["images_held_out"] == 1
-    assert sidecar["calibration"]["refine"]["steps"] == 2
-    assert all(layer["error_tokens"] == "1 held-out calibration images" and layer["whitened_error"] > 0
-               for layer in sidecar["layers"])
+    calibration = sidecar["calibration"]
+    assert calibration["images_fit"] == 9 and calibration["images_held_out"] == 1
+    assert calibration["effort"] == "default" and calibration["refine_steps"] == 12  # ceil(80 x 9 / 64)
+    assert calibration["held_out_kl"] <= calibration["weight_only_kl"] and calibration["prefix_weight"] == 16.0
+    assert all(layer["error_tokens"] == "1 held-out calibration images" for layer in sidecar["layers"])
+    assert f"kept {calibration['chosen']}" in capsys.readouterr().out
 
 
-def test_convert_with_a_layerwise_refinement(tmp_path, capsys) -> None:
+def test_convert_with_a_budget_and_removed_flags(tmp_path, capsys) -> None:
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
-    out = tmp_path / "k6.safetensors"
-    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
-                     "--calibration-data-dir", data, "--calibration-images", "10", "--refine-steps", "3",
-                     "--refine-loss", "logit-mse", "--calibration-amp", "--calibration-prefix-weight", "balanced"]) == 0
-    calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
-    assert calibration["amp"] is True and calibration["prefix_weight"] == 16.0
-    refine = calibration["refine"]
-    assert refine["loss"] == "logit-mse" and refine["per_layer"] and len(refine["loss_after"]) == 2
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(tmp_path / "x.st"),
-                  "--refine-loss", "kl"])
-    assert exit_info.value.code == 2 and "invalid choice: 'kl'" in capsys.readouterr().err
-    assert not (tmp_path / "x.st").exists()
+    out = tmp_path / "b.safetensors"
+    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "budget=0.25", "--out", str(out),
+                     "--calibration-data-dir", data, "--calibration-images", "10", "--effort", "fast"]) == 0
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sum(sidecar["model_kwargs"]["key_dim"]) == 12  # 0.25 x 2 layers x 24
+    for removed in (["--refine-steps", "3"], ["--calibration-capture", "sequential"], ["--refine-values"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out",
+                      str(tmp_path / "x.safetensors"), *removed])
+        assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 @pytest.mark.parametrize("case, message", [
@@ -70,7 +72,7 @@ def test_convert_with_a_layerwise_refinement(tmp_path, capsys) -> None:
     ("size", "calibration images are 20x20 px, the model takes 16x16"),
     ("empty", "no images"),
     ("count", "--calibration-images must be positive"),
-    ("no dir", "need --calibration-data-dir"),
+    ("no dir", "needs --calibration-data-dir"),
 ])
 def test_bad_calibration_input_is_one_line_and_writes_nothing(tmp_path, capsys, case: str, message: str) -> None:
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
@@ -82,7 +84,7 @@ def test_bad_calibration_input_is_one_line_and_writes_nothing(tmp_path, capsys, 
     elif case == "count":
         flags += ["--calibration-images", "0"]
     elif case == "no dir":
-        flags = ["--refine-steps", "5"]
+        flags = ["--calibration-dataset", "torch/fashion_mnist"]
     out = tmp_path / "bad.safetensors"
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -100,4 +102,5 @@ def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -
                      "--calibration-data-dir", data, "--calibration-images", "5"]) == 0
     assert "spectrum of the bilinear forms: whitened by 5 calibration images" in capsys.readouterr().out
     assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "p.png")]) == 0
-    assert "spectrum of the bilinear forms: weights" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "spectrum of the bilinear forms: weights" in out and "suggested budget" in out and "--key-dim budget=" in out

@@ -20,10 +20,10 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .decompose import Decomposition, canonical_form, energy_spectrum, rank_for_energy, relative_error
+from .decompose import Decomposition, canonical_form, energy_spectrum, relative_error
 
 __all__ = ["DEFAULT_RIDGE", "TokenMoments", "Whitening", "whitener", "whitening", "whitened_decomposition",
-           "whitened_rank", "calibration_images"]
+           "whitened_spectrum", "calibration_images"]
 
 # Ridge added to each moment, relative to its mean eigenvalue (trace / D). It makes every moment invertible (fewer
 # tokens than D, constant features, fp16 weights), and it bounds how far a direction the calibration tokens never
@@ -153,9 +153,9 @@ def _whitened_factors(wq: Tensor, wk: Tensor, sides: tuple[Whitening, Whitening]
     return sides[0].root.T @ wq, sides[1].root.T @ wk
 
 
-def whitened_rank(wq: Tensor, wk: Tensor, sides: tuple[Whitening, Whitening], threshold: float) -> int:
-    """Fewest dims holding ``threshold`` of the query-side energy of the whitened tensor (the logits on the tokens)."""
-    return rank_for_energy(energy_spectrum(*_whitened_factors(wq, wk, sides))[0], threshold)
+def whitened_spectrum(wq: Tensor, wk: Tensor, sides: tuple[Whitening, Whitening]) -> Tensor:
+    """Normalised cumulative query-side energy of the whitened tensor ``Lq^T T_i Lk`` (the logits on the tokens)."""
+    return energy_spectrum(*_whitened_factors(wq, wk, sides))[0]
 
 
 def whitened_decomposition(wq: Tensor, wk: Tensor, rank: int, sides: tuple[Whitening, Whitening], decompose,

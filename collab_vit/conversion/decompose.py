@@ -320,7 +320,6 @@ def _als(
     outside: float = 0.0,
     *,
     stop_below: float | None = None,
-    history: list | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, int, float]:
     """CP-ALS on ``T[i] = wq_i wk_i^T`` from a start (query, key); returns (query, key, mixing, iterations, error).
 
@@ -378,8 +377,6 @@ def _als(
                 query, key, pq, pk, gq, gk, mixing, err = q_x, k_x, pq_x, pk_x, gq_x, gk_x, m_x, err_x
             else:
                 rejected += 1
-        if history is not None:
-            history.append(err)
         if err <= stop_below or abs(prev - err) <= tol * prev:
             break
     return query, key, mixing, it, err
@@ -560,7 +557,6 @@ def tucker_decompose(
     *,
     max_iter: int = 100,
     tol: float = 1e-6,
-    seed: int = 0,
     dtype: torch.dtype = torch.float64,
 ) -> Decomposition:
     """Compress-then-decompose: Tucker ``(Nh, R, R)`` then a rank-``R`` CP of the core (section 3.3).
@@ -573,7 +569,7 @@ def tucker_decompose(
     tensor fits better than the core's CP, those sweeps also run from it and the better result is kept. A core
     sweep costs about half a full one at ``R = D / 2`` (the GEMMs are ``Nh*dh x R x R`` instead of
     ``Nh*dh x D x R``). The start is the better of the head-wise SVD start and the GEVD start of the core.
-    Arguments as ``cp_decompose``; ``seed`` is unused (the route is deterministic).
+    Arguments as ``cp_decompose`` (no seed: the route is deterministic).
     """
     _check_factors(wq, wk)
     _check_rank(rank)

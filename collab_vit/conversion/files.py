@@ -14,11 +14,13 @@ from typing import Any, Callable, Optional, Union
 import timm
 import torch.nn as nn
 
-from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
+from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_budget, suggest_key_dim
 from ..weights_io import HUB_OUTPUT, check_output_folder, export_writer, model_pipeline, read_weights, write_together
 from .calibration import DEFAULT_RIDGE, calibration_images
+from .budget import BUDGET_PREFIX, KeyDimSpec
+from .recipe import Recipe
 from .record import converted_record, rebuild_problem
-from .reparam import LayerReport, probe_input_size, reparametrize_layers, timm_attention_layers
+from .reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
 from .support import Support, check_model
 
 
@@ -64,29 +66,26 @@ def _create(name: str, kwargs: dict[str, Any], **extra: Any) -> nn.Module:
         raise ValueError(f"model kwargs {kwargs} do not fit {name}: {error}") from None
 
 
-def parse_key_dim(text: str) -> Union[int, float, list[int]]:
-    """``384`` (all layers), ``0.95`` (energy threshold) or ``384,384,256,...`` (one per layer)."""
+def parse_key_dim(text: str) -> KeyDimSpec:
+    """``384`` (all layers), ``384,384,256,...`` (one per layer), ``budget=0.25`` or ``0.95`` (energy threshold)."""
+    if text.startswith(BUDGET_PREFIX):
+        return text
     try:
         if "," in text:
             return [int(part) for part in text.split(",")]
         return float(text) if "." in text else int(text)
     except ValueError:
-        raise ValueError(f"--key-dim must be an int, a threshold like 0.95, or a comma list of ints, got {text!r}")
+        raise ValueError(f"--key-dim must be an int, a comma list of ints, budget=F or a threshold like 0.95, "
+                         f"got {text!r}")
 
 
 def format_report(reports: list[LayerReport]) -> str:
     """Markdown table of the per-layer reports; says what the output error was measured on."""
-    calibrated = any(r.whitened_error is not None for r in reports)
-    refined = any(r.refined_output_error is not None for r in reports)
-    head = ["layer", "key dim", "rel. error of T"] + (["rel. logit error (calibration)"] if calibrated else []) + \
-        ["rel. error of attention output"] + (["after refinement"] if refined else []) + ["seconds"]
+    head = ["layer", "key dim", "rel. error of T", "rel. error of attention output", "seconds"]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for r in reports:
-        cells = [r.name, str(r.key_dim), f"{r.tensor_error:.4f}"]
-        cells += [f"{r.whitened_error:.4f}" if r.whitened_error is not None else "—"] if calibrated else []
-        cells += [f"{r.output_error:.4f}"]
-        cells += [f"{r.refined_output_error:.4f}" if r.refined_output_error is not None else "—"] if refined else []
-        lines.append("| " + " | ".join(cells + [f"{r.seconds:.2f}"]) + " |")
+        cells = [r.name, str(r.key_dim), f"{r.tensor_error:.4f}", f"{r.output_error:.4f}", f"{r.seconds:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     notes = {f"attention-output error on {r.error_tokens}" for r in reports}
     notes |= {f"key dims from the {r.key_dim_from}" for r in reports if r.key_dim_from != "given"}
     return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
@@ -102,6 +101,19 @@ def check_key_dims(key_dim: Union[None, int, float, list[int]], model: nn.Module
         if isinstance(dim, int) and not isinstance(dim, bool) and dim > full:
             raise ValueError(f"--key-dim {dim} is beyond the full rank {full} of {name} (num_heads x head_dim): the "
                              f"conversion is exact at {full}, a larger key dim only adds zero columns")
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """One line per candidate of the calibrated recipe (its held-out KL), and which was kept."""
+    lines = [f"candidates, KL to the source's outputs on {summary['images_held_out'] or summary['images_fit']} "
+             f"{summary['measured_on']}:"]
+    lines += [f"  {name}: {kl:.4g}" + ("  <- kept" if name == summary["chosen"] else "")
+              for name, kl in summary["candidates"].items()]
+    gain = summary.get("gain_over_weight_only")
+    if gain is not None:
+        lines.append(f"kept {summary['chosen']}: held-out KL {summary['held_out_kl']:.4g}, weight-only "
+                     f"{summary['weight_only_kl']:.4g} ({gain:.4g} lower)")
+    return "\n".join(lines)
 
 
 def output_kind(out: Path) -> str:
@@ -143,7 +155,8 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     dim; a timm DeiT as ``collab_deit_*``) and the source's evaluation data config, so ``eval.py`` and
     ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model
     from the file alone. ``calibration(source_model, metadata)`` gives calibration
-    images (data-aware conversion, ``options`` as ``reparametrize_layers``'); nothing is written when they are bad.
+    images (the calibrated recipe; ``options``: ``effort``, ``progress``, ``recipe``); nothing is written when they are
+    bad.
     ``device`` runs the model's forward passes and the refinement there (the decompositions run on the CPU).
     """
     kind = output_kind(out)
@@ -157,7 +170,8 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     model.to(device)
     if calibration is not None:
         options["calibration"] = calibration(model, meta)
-    reports = reparametrize_layers(model, key_dim, method, seed, **options)
+    reports = convert_model(model, key_dim, method, options.get("calibration"), options.get("effort", "default"), seed,
+                            options.get("progress", True), options.get("recipe") or Recipe())
     info = {"source": checkpoint or model_name, "method": method, "seed": seed,
             "layers": [r.as_dict() for r in reports], "kept": support.kept}
     if getattr(reports, "summary", None):
@@ -182,13 +196,14 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
 
 def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95,
                      calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
-                     ridge: float = DEFAULT_RIDGE) -> tuple[str, int]:
-    """Per-layer spectrum table (Markdown), PNG plot, and the key dim suggested at ``threshold``; with
-    ``calibration(model, metadata)`` images, of the whitened forms (the table's last line says which)."""
+                     ridge: float = DEFAULT_RIDGE) -> tuple[str, int, str]:
+    """Per-layer spectrum table (Markdown), PNG plot, the key dim suggested at ``threshold`` and a budget (``budget=F``:
+    the dims the threshold keeps summed over the layers, as a fraction of the source's); with ``calibration(model,
+    metadata)`` images, of the whitened forms (the table's last line says which)."""
     model, model_name, _, meta = load_source(model_name, checkpoint)
     images = None if calibration is None else calibration_images(calibration(model, meta), probe_input_size(model))
     spectra = layer_spectra(model, images, ridge)
     which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"
     plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1; {which})")
     table = format_spectrum_table(spectra) + f"\nspectrum of the bilinear forms: {which}\n"
-    return table, suggest_key_dim(spectra, threshold)
+    return table, suggest_key_dim(spectra, threshold), suggest_budget(spectra, threshold)

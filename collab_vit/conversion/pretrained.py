@@ -35,7 +35,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from .. import _version
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import atomic_write, safetensors_writer
-from .reparam import METHODS, reparametrize_attention
+from .fit import METHODS, fit_attention
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 
@@ -69,10 +69,11 @@ def cache_dir() -> Path:
 
 
 def decomposition_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with the decomposition's defaults filled in (so that passing a default changes no cache key)."""
+    """``options`` the decomposition takes, with its defaults filled in (so that passing a default, or an option the
+    method does not take such as tucker's seed, changes no cache key)."""
     parameters = inspect.signature(METHODS[method]).parameters.values()
     defaults = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
-    return {**defaults, **options}
+    return {**defaults, **{k: v for k, v in options.items() if k != "seed" or k in defaults}}
 
 
 def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str,
@@ -167,7 +168,7 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
         dim = state_dict[prefix + "qkv.weight"].shape[1]
         attn = Attention(dim, target.num_heads, qkv_bias=prefix + "qkv.bias" in state_dict)
         attn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        layer = reparametrize_attention(attn, target.key_dim, method, **options)
+        layer = fit_attention(attn, target.key_dim, method, None, **options).layer
         for key in [k for k in converted if k.startswith(prefix)]:
             del converted[key]
         converted.update({prefix + k: v for k, v in layer.state_dict().items()})
