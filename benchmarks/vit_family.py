@@ -149,7 +149,7 @@ def full_rank(label: str) -> FullRank:
     name, kwargs = CASES[label]
     source = create(name, kwargs)
     converted = copy.deepcopy(source)
-    report = collab_vit.reparametrize_layers(converted, progress=False)
+    _, report = collab_vit.reparametrize(converted, progress=False, return_report=True)
     x = images()
     return FullRank(logits(converted, x), logits(copy.deepcopy(source).double(), x.double()), chain(source),
                     converted, report.kept)
@@ -160,7 +160,7 @@ def measure(label: str) -> Row:
     exact = full_rank(label)
     source = create(name, kwargs)
     half = copy.deepcopy(source)
-    collab_vit.reparametrize_layers(half, key_dim=source.embed_dim // 2, method="tucker", progress=False)
+    collab_vit.reparametrize(half, key_dim=source.embed_dim // 2, method="tucker", progress=False)
     x = images()
     base, approx = logits(source, x), logits(half, x)
     agreement = (base.argmax(-1) == approx.argmax(-1)).double().mean().item()

@@ -4,20 +4,20 @@
 
 Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fashion-MNIST test images:
 
-* ``weight``: today's weight-only Tucker conversion; ``weight+refine``: the same, then the label-free refinement.
-* ``data+attn-kl`` / ``data+logit-mse``: the closed form, each layer then refined on its own right after its fit
-  (``--refine-steps`` per layer): every head's attention probabilities (KL) / the exact within-image logit objective.
-* ``data``: the data-aware closed form (whitened Tucker, ``capture='source'``), ``data-seq``: sequential capture,
-  ``data-amp``: the tokens captured under bfloat16 autocast (``amp=True``); ``data-cls``: the class token's queries
-  weighted as much as all patch tokens (``prefix_weight="balanced"``), ``data-cls+refine`` then refined;
-  ``data+refine-v``: the refinement of the value and output projections too (``refine_values=True``);
-  ``data+refine``: closed form then ``--refine-steps`` Adam steps on ``W~q, W~k, M`` (KL to the source's logits).
+* ``weight``: the weight-only Tucker conversion;
+* ``recipe`` (``recipe-fast``, ``recipe-thorough``): what ``collab_vit.reparametrize(model, K, calibration=images,
+  effort=...)`` gives: the candidates below measured on held-out calibration images, the best kept, never worse there
+  than weight-only;
+* its candidates alone: ``data`` (the whitened closed form, the class token weighted by the "balanced" rule),
+  ``weight+refine`` / ``data+refine`` (then the label-free refinement, steps from the images as the recipe's);
 * ``cut`` / ``cut-white``: the baseline a user would otherwise pick at the same q/k budget, the standard layer cut
   to K / heads dims per head by each head's truncated SVD of ``T_i`` (weight-only / of the whitened ``T_i``), with
   the content bias kept exact as in the collaborative layers.
 
-Calibration images come from the *training* split (seeded draw); the per-layer attention-output error is measured
-on 64 further held-out training images. Writes ``results/data_aware/<cell>.json``, ``table.md``, ``top1_vs_key_dim.png``.
+Key dims: ints, energy thresholds (0.95) or budgets (budget=0.125). Calibration images come from the *training* split
+(seeded draw); the per-layer errors are measured on 64 further held-out training images. Variants measured and
+removed (sequential capture, layer-wise losses, refining the values) are in RESULTS.md (b), commit c2a1b61.
+Writes ``results/data_aware/<cell>.json``, ``table.md``, ``top1_vs_key_dim.png``.
 """
 from __future__ import annotations
 
@@ -38,12 +38,11 @@ from collab_vit.conversion.calibration import calibration_images, whitening
 from collab_vit.conversion.capture import source_tokens
 from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.reparam import (_output_error, layer_from_decomposition, probe_input_size,
-                                           reparametrize_layers, timm_attention_layers)
+from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.reparam import (_output_error, convert_model, layer_from_decomposition, probe_input_size,
+                                           timm_attention_layers)
 
 HELD_OUT = 64
-REFINES = {"+refine": "model-kl", "+refine-v": "model-kl", "+attn-kl": "attention-kl",
-           "+logit-mse": "logit-mse"}  # variant suffix: loss
 
 
 def test_set(data_dir: str, model: torch.nn.Module, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +116,12 @@ def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: to
     return fmean(errors)
 
 
+PINNED = {"data": ("whitened",), "weight+refine": ("weight+refine",), "data+refine": ("whitened+refine",)}
+EFFORT = {"recipe-fast": "fast", "recipe": "default", "recipe-thorough": "thorough"}
+COLUMN_ORDER = ["weight", "recipe-fast", "recipe", "recipe-thorough", "data", "weight+refine", "data+refine", "cut",
+                "cut-white"]
+
+
 def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: torch.Tensor, held: torch.Tensor,
              n: int, test: tuple, args: argparse.Namespace) -> dict:
     path = args.results / f"{name}.json"
@@ -124,56 +129,43 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
         return json.loads(path.read_text())
     model = copy.deepcopy(source)
     start = time.perf_counter()
-    loss = next((loss for suffix, loss in REFINES.items() if variant.endswith(suffix)), None)
-    refine = args.refine_steps if loss else 0
     summary: dict = {}
     if variant.startswith("cut"):
         layers = cut_baseline(model, key_dim, pool[:n] if variant == "cut-white" else None, held, args.ridge)
     elif variant == "weight":
-        reports = reparametrize_layers(model, key_dim, "tucker", probe=held, progress=False)
+        reports = convert_model(model, key_dim, "tucker", None, "fast", args.seed, False, Recipe(), probe=held)
         layers = [r.as_dict() for r in reports]
-    else:  # weight+refine: the weight-only fit, then the refinement; data*: the whitened fit
-        capture = "sequential" if variant.startswith("data-seq") else "source"
-        reports = reparametrize_layers(model, key_dim, "tucker", calibration=pool[:n], holdout=held, capture=capture,
-                                       ridge=args.ridge, refine_steps=refine, refine_lr=args.refine_lr,
-                                       refine_loss=loss or "model-kl", refine_values=variant.endswith("+refine-v"),
-                                       amp=variant.endswith("-amp"),
-                                       prefix_weight="balanced" if variant.startswith("data-cls") else 1.0,
-                                       progress=False,
-                                       whiten=variant.startswith("data"))
+    else:
+        recipe = Recipe(ridge=args.ridge, candidates=PINNED.get(variant), refine_steps=args.refine_steps)
+        reports = convert_model(model, key_dim, "tucker", pool[:n], EFFORT.get(variant, "default"), args.seed, False,
+                                recipe)
         layers, summary = [r.as_dict() for r in reports], reports.summary
     seconds = time.perf_counter() - start
     row = {"name": name, "variant": variant, "key_dim": key_dim, "images": 0 if variant in ("weight", "cut") else n,
            "key_dims": [x["key_dim"] for x in layers], "top1": top1(model, *test), "top1_source": args.top1_source,
            "seconds": round(seconds, 2), "output_error": fmean(x["output_error"] for x in layers),
-           "refined_output_error": (fmean(x["refined_output_error"] for x in layers)
-                                    if layers and layers[0].get("refined_output_error") is not None else None),
            "within_image_logit_error": within_image_error(model, source, held),
            "per_layer": layers, "summary": summary, "ridge": args.ridge, "commit": git_commit(), "machine": machine()}
     write_json(path, row)
     print(f"{name}: top-1 {row['top1']:.2f} ({row['top1'] - args.top1_source:+.2f}), attn-output error "
-          f"{row['output_error']:.3f}, {seconds:.1f} s", flush=True)
+          f"{row['output_error']:.3f}, {seconds:.1f} s" + (f", kept {summary['chosen']}" if "chosen" in summary
+                                                           else ""), flush=True)
     return row
 
 
 def table(rows: list[dict], top1_source: float) -> str:
     lines = [f"Source top-1 {top1_source:.2f} (10k test images). Errors: mean over layers, on {HELD_OUT} held-out "
-             "training images; attention output after refinement in brackets; logit error = the exact within-image "
+             "training images; logit error = the exact within-image "
              "objective of docs/math.md, relative.", "",
              "| variant | calibration images | key dim | key dims per layer | attn-output error | logit error | top-1 | "
              "Δ vs source | seconds |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        err = f"{r['output_error']:.3f}" + (f" ({r['refined_output_error']:.3f})" if r["refined_output_error"]
-                                            is not None else "")
+        err = f"{r['output_error']:.3f}"
         logit = r.get("within_image_logit_error")
         lines.append(f"| {r['variant']} | {r['images'] or '—'} | {r['key_dim']} | {'/'.join(map(str, r['key_dims']))}"
                      f" | {err} | {'—' if logit is None else f'{logit:.3f}'} | {r['top1']:.2f} | "
                      f"{r['top1'] - top1_source:+.2f} | {r['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
-
-
-COLUMN_ORDER = ["weight", "data", "data-seq", "data-amp", "data-cls", "data-cls+refine", "data+refine", "data+refine-v",
-                "weight+refine", "data+attn-kl", "data+logit-mse", "cut", "cut-white"]
 
 
 def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> str:
@@ -199,29 +191,22 @@ def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> st
             return "—"
         return f"{w[field]:.3f} / {d[field]:.3f} ({d[field] / w[field]:.2f}x)"
 
+    columns = [v for v in COLUMN_ORDER if any(r[0] == v for r in found)]
     lines = [f"Top-1 change vs the source ({top1_source:.2f}), {images} calibration images:", "",
-             "| key dim | dims per layer weight / data | weight-only | data-aware | data-aware + refine | "
-             "weight-only + refine | data-aware, class token balanced | the same + refine | "
-             "data-aware + layer-wise attention KL | data-aware + layer-wise logit MSE | "
-             "data-aware, sequential | cut | cut, whitened | attn-output error weight / data | "
-             "logit error weight / data |", "|---|---|" + "---:|" * 13]
+             "| key dim | dims per layer weight / recipe | " + " | ".join(columns) +
+             " | attn-output error weight / data | logit error weight / data |", "|---|---|" +
+             "---:|" * (len(columns) + 2)]
     for k in keys:
-        lines.append(f"| {k} | {dims('weight', 0, k)} / {dims('data', images, k)} | {cell('weight', 0, k)} | "
-                     f"{cell('data', images, k)} | {cell('data+refine', images, k)} | "
-                     f"{cell('weight+refine', images, k)} | {cell('data-cls', images, k)} | "
-                     f"{cell('data-cls+refine', images, k)} | {cell('data+attn-kl', images, k)} | "
-                     f"{cell('data+logit-mse', images, k)} | {cell('data-seq', images, k)} | {cell('cut', 0, k)} | "
-                     f"{cell('cut-white', images, k)} | {errors(k, 'output_error')} | "
-                     f"{errors(k, 'within_image_logit_error')} |")
+        n = {v: 0 if v in ("weight", "cut") else images for v in columns}
+        lines.append(f"| {k} | {dims('weight', 0, k)} / {dims('recipe', images, k)} | " +
+                     " | ".join(cell(v, n[v], k) for v in columns) +
+                     f" | {errors(k, 'output_error')} | {errors(k, 'within_image_logit_error')} |")
     counts = sorted({n for _, n, _ in found if n})
     lines += ["", "By number of calibration images (top-1 change vs the source):", "",
               "| key dim | " + " | ".join(f"data-aware {n}" for n in counts) + " | " +
-              " | ".join(f"data-aware + refine {n}" for n in counts) + " | " +
-              " | ".join(f"weight-only + refine {n}" for n in counts) + " |",
-              "|---|" + "---:|" * (3 * len(counts))]
+              " | ".join(f"recipe {n}" for n in counts) + " |", "|---|" + "---:|" * (2 * len(counts))]
     for k in keys:
-        lines.append(f"| {k} | " + " | ".join(cell(v, n, k, False) for v in ("data", "data+refine", "weight+refine")
-                                             for n in counts) + " |")
+        lines.append(f"| {k} | " + " | ".join(cell(v, n, k, False) for v in ("data", "recipe") for n in counts) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -256,12 +241,9 @@ def main() -> None:
     p.add_argument("--data-dir", default="data")
     p.add_argument("--results", type=Path, default=ROOT / "results" / "data_aware")
     p.add_argument("--key-dims", nargs="+", default=["32", "16", "8", "4"])
-    p.add_argument("--variants", nargs="+", choices=COLUMN_ORDER,
-                   default=["weight", "data", "data+refine", "weight+refine", "data+attn-kl", "data+logit-mse",
-                            "data-seq", "data-amp", "data-cls", "data-cls+refine", "cut", "cut-white"])
+    p.add_argument("--variants", nargs="+", choices=COLUMN_ORDER, default=COLUMN_ORDER)
     p.add_argument("--images", nargs="+", type=int, default=[256], help="calibration image counts")
-    p.add_argument("--refine-steps", type=int, default=300)
-    p.add_argument("--refine-lr", type=float, default=1e-3)
+    p.add_argument("--refine-steps", type=int, default=None, help="default: the recipe's (80 passes over the images)")
     p.add_argument("--ridge", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -278,7 +260,7 @@ def main() -> None:
     pool, held = pool[:-HELD_OUT], pool[-HELD_OUT:]
     rows = []
     for key in args.key_dims:
-        key_dim = float(key) if "." in key else int(key)
+        key_dim = key if key.startswith("budget=") else float(key) if "." in key else int(key)
         for variant in args.variants:
             if variant.startswith("cut") and not isinstance(key_dim, int):
                 continue

@@ -25,7 +25,8 @@ from collab_vit.cli import calibration_loader
 from collab_vit.conversion import capture
 from collab_vit.conversion.calibration import calibration_images
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.reparam import probe_input_size, reparametrize_layers, timm_attention_layers
+from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.reparam import convert_model, probe_input_size, timm_attention_layers
 
 
 @torch.no_grad()
@@ -62,14 +63,15 @@ def main() -> None:
               "machine": machine()}
     for variant in ("weight", "data"):
         model = copy.deepcopy(source)
-        reparametrize_layers(model, 4, calibration=None if variant == "weight" else pool,
-                             **({} if variant == "weight" else {"holdout": held}), progress=False)
+        convert_model(model, 4, "tucker", None if variant == "weight" else pool, "fast", 0, False,
+                      Recipe(candidates=("whitened",), prefix_weight=1.0))
         result["errors_key_dim_4"][variant] = row_errors(model, source, held)
         print(variant, result["errors_key_dim_4"][variant], flush=True)
     for weight in args.weights:
         for key_dim in (8, 4):
             model = copy.deepcopy(source)
-            reparametrize_layers(model, key_dim, calibration=pool, holdout=held, prefix_weight=weight, progress=False)
+            convert_model(model, key_dim, "tucker", pool, "fast", 0, False,
+                          Recipe(candidates=("whitened",), prefix_weight=weight))
             row = {"class_weight": weight, "key_dim": key_dim, "delta_top1": round(top1(model, *test) - base, 2)}
             result["class_weight_probe"].append(row)
             print(row, flush=True)

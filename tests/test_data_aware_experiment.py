@@ -29,15 +29,14 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
     results = tmp_path / 'results'
     run('data_aware.py', '--source', source, '--data-dir', tiny_fashion_mnist, '--results', results, '--key-dims',
         '4', '--images', '8', '--refine-steps', '2')
-    names = ['weight_k4', 'data_k4_n8', 'data_refine_k4_n8', 'weight_refine_k4_n8', 'data_attn-kl_k4_n8',
-             'data_logit-mse_k4_n8', 'data-seq_k4_n8', 'data-amp_k4_n8', 'data-cls_k4_n8', 'data-cls_refine_k4_n8', 'cut_k4',
-             'cut-white_k4_n8']
+    names = ['weight_k4', 'recipe-fast_k4_n8', 'recipe_k4_n8', 'recipe-thorough_k4_n8', 'data_k4_n8',
+             'weight_refine_k4_n8', 'data_refine_k4_n8', 'cut_k4', 'cut-white_k4_n8']
     for name in names:
         row = json.loads((results / f'{name}.json').read_text())
         assert row['key_dims'] == [4] and 0 <= row['top1'] <= 100 and row['output_error'] > 0
     assert json.loads((results / 'data_refine_k4_n8.json').read_text())['summary']['refine']['steps'] == 2
-    layerwise = json.loads((results / 'data_attn-kl_k4_n8.json').read_text())['summary']['refine']
-    assert layerwise['loss'] == 'attention-kl' and layerwise['per_layer'] and len(layerwise['loss_after']) == 1
+    recipe = json.loads((results / 'recipe-thorough_k4_n8.json').read_text())['summary']
+    assert len(recipe['candidates']) == 4 and recipe['held_out_kl'] <= recipe['weight_only_kl']
     assert (results / 'table.md').read_text().count('| 4 |') == len(names) + 2  # the cells, then two summary rows
     assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
 

@@ -12,10 +12,14 @@ import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
-from collab_vit.conversion.reparam import reparametrize_layers as convert
 from collab_vit.weights_io import read_weights
 from numerics import U32, assert_within, attention_chain, vit_chain
 from tinyrun import make_image_folder
+
+
+def convert(model, key_dim=None, method: str = "tucker", seed: int = 0, progress: bool = False):
+    """The public entry with its report."""
+    return collab_vit.reparametrize(model, key_dim, method, seed=seed, progress=progress, return_report=True)[1]
 
 SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)
 
@@ -98,6 +102,14 @@ def test_energy_threshold_and_list_key_dims() -> None:
 def test_bad_key_dims(bad: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         convert(small_deit(), bad, progress=False)
+
+
+def test_old_names() -> None:
+    """``reparametrize_layers`` works for one release with a DeprecationWarning; the ``convert`` alias is gone."""
+    with pytest.warns(DeprecationWarning, match="reparametrize_layers is deprecated"):
+        reports = collab_vit.reparametrize_layers(model := small_deit(), 8, progress=False)
+    assert [r.key_dim for r in reports] == [8, 8, 8] and isinstance(model.blocks[0].attn, CollaborativeAttention)
+    assert not hasattr(collab_vit.reparam, "convert")
 
 
 def test_bad_method_and_model() -> None:

@@ -16,7 +16,7 @@ from timm.optim import create_optimizer_v2
 import collab_vit
 import vit_family
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion import reparam
+from collab_vit.conversion import recipe, reparam
 from numerics import U32, assert_within
 
 POST_HOC = Path(__file__).parents[1] / "docs" / "post_hoc.md"
@@ -86,7 +86,7 @@ def test_mixing_out_of_decay_for_the_family(label: str, calibrated: bool) -> Non
     name, kwargs = vit_family.CASES[label]
     model = vit_family.create(name, kwargs)
     options = dict(calibration=vit_family.images(4)) if calibrated else {}
-    collab_vit.reparametrize_layers(model, key_dim=32, progress=False, **options)
+    collab_vit.reparametrize(model, key_dim=32, progress=False, **options)
     names = no_decay_names(model)
     assert {f"blocks.{i}.attn.mixing" for i in range(2)} <= names
     assert not any(n.endswith(("query.weight", "key.weight", "content_bias.weight")) for n in names)
@@ -118,9 +118,10 @@ def test_refusals_before_any_work(label: str, monkeypatch) -> None:
     model = vit_family.create(name, kwargs)
     before = snapshot(model)
     fitted = []
-    monkeypatch.setattr(reparam, "fit_attention", lambda *a, **k: fitted.append(a))
+    for module in (reparam, recipe):
+        monkeypatch.setattr(module, "fit_attention", lambda *a, **k: fitted.append(a))
     with pytest.raises(ValueError) as error:
-        collab_vit.reparametrize_layers(model, key_dim=16, progress=False)
+        collab_vit.reparametrize(model, key_dim=16, progress=False)
     assert REFUSALS[label] in str(error.value) and "\n" not in str(error.value)
     assert fitted == []  # refused before the first layer
     assert_untouched(model, before)
@@ -137,11 +138,12 @@ def test_a_conversion_failing_half_way_puts_the_model_back(monkeypatch) -> None:
             raise RuntimeError("out of memory (planted)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reparam, "fit_attention", second_fails)
-    for options in ({}, dict(calibration=vit_family.images(4), capture="sequential")):
+    for module in (reparam, recipe):
+        monkeypatch.setattr(module, "fit_attention", second_fails)
+    for options in ({}, dict(calibration=vit_family.images(4), effort="fast")):
         calls.clear()
         with pytest.raises(RuntimeError, match="planted"):
-            collab_vit.reparametrize_layers(model, key_dim=16, progress=False, **options)
+            collab_vit.reparametrize(model, key_dim=16, progress=False, **options)
         assert len(calls) == 2
         assert_untouched(model, before)
 
@@ -172,7 +174,7 @@ def siglip_file(tmp_path_factory) -> tuple[Path, list[str]]:
 
 def in_memory(key_dim: int) -> torch.nn.Module:
     model = vit_family.create(*vit_family.CASES["SigLIP image tower (attention-pool head)"])
-    collab_vit.reparametrize_layers(model, key_dim=key_dim, method="cp", progress=False)
+    collab_vit.reparametrize(model, key_dim=key_dim, method="cp", progress=False)
     return model
 
 
@@ -302,12 +304,12 @@ def test_attention_subclasses_and_differential_attention() -> None:
         model = vit_family.create("vit_tiny_patch16_224", dict(attn_layer=layer))
         if expected is None:
             reference = copy.deepcopy(model).double()
-            collab_vit.reparametrize_layers(model, progress=False)
+            collab_vit.reparametrize(model, progress=False)
             x = vit_family.images()
             assert_within(vit_family.logits(model, x), vit_family.logits(reference, x.double()),
                           vit_family.chain(reference))
             continue
         before = snapshot(model)
         with pytest.raises(ValueError, match=expected):
-            collab_vit.reparametrize_layers(model, key_dim=16, progress=False)
+            collab_vit.reparametrize(model, key_dim=16, progress=False)
         assert_untouched(model, before)

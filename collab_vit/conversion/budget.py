@@ -57,7 +57,7 @@ def as_spec(spec: KeyDimSpec) -> KeyDimSpec:
     """``"budget=F"`` as a :class:`Budget`; a checked int, threshold or list; None (full rank)."""
     if isinstance(spec, str):
         if not spec.startswith(BUDGET_PREFIX):
-            raise ValueError(f"key_dim as text must be budget=F, got {spec!r}")
+            raise ValueError(f"key_dim must be an int, a list, a threshold in (0, 1] or budget=F, got {spec!r}")
         return Budget.parse(spec)
     if spec is None or isinstance(spec, Budget):
         return spec
