@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# RESULTS.md (b), data-aware conversion: key dim 4 by `collab-vit convert` (weight-only, data-aware, data-aware +
-# 300 refinement steps; 256 training images), eval.py right after, then the 1-epoch fine-tune of
+# RESULTS.md (b), data-aware conversion: key dim 4 by `collab-vit convert` (weight-only; the recipe with 256 training
+# images, --effort fast: closed forms only, and the default: the better one refined), eval.py right after, then the
+# 1-epoch fine-tune of
 # configs/fmnist/finetune.yaml; control: the source fine-tuned the same way. ~10 min on 2 busy cores.
 #   DATA=data PYTHON=.venv/bin/python bash experiments/data_aware_finetune.sh
 #   SRC=runs/experiments/data_aware_e15/model.safetensors bash experiments/data_aware_finetune.sh   # another source
@@ -15,10 +16,10 @@ mkdir -p "$out"
 cal=(--calibration-dataset torch/fashion_mnist --calibration-data-dir "$data" --calibration-images 256)
 arch=(patch_size=4 embed_dim=64 depth=4 num_heads=4 img_size=28 in_chans=1)
 "$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 --out "$out/weight.safetensors" > "$out/weight.log" 2>&1
-"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 "${cal[@]}" --out "$out/data.safetensors" \
-    > "$out/data.log" 2>&1
-"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 "${cal[@]}" --refine-steps 300 \
-    --out "$out/refine.safetensors" > "$out/refine.log" 2>&1
+"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 "${cal[@]}" --effort fast \
+    --out "$out/data.safetensors" > "$out/data.log" 2>&1
+"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 "${cal[@]}" --out "$out/refine.safetensors" \
+    > "$out/refine.log" 2>&1
 for v in weight data refine; do
     "$py" eval.py --checkpoint "$out/$v.safetensors" --dataset torch/fashion_mnist --data-dir "$data" --workers 0 \
         --cpu-threads 1 --output "$out/eval_$v.json" > "$out/eval_$v.log" 2>&1
