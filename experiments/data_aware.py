@@ -30,7 +30,7 @@ from statistics import fmean
 
 import torch
 
-from runner import ROOT, git_commit, machine, write_json
+from runner import ROOT, figure, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
 from collab_vit.layers.forms import collaborative_logits
@@ -211,11 +211,7 @@ def summary_table(rows: list[dict], top1_source: float, images: int = 256) -> st
 
 
 def plot(rows: list[dict], top1_source: float, path: Path, images: int = 256) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = figure(7, 4.5)
     ax = fig.add_subplot()
     variants = sorted({(r["variant"], r["images"]) for r in rows if isinstance(r["key_dim"], int)
                        and r["images"] in (0, images)}, key=lambda c: COLUMN_ORDER.index(c[0]))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from runner import ROOT, Cell, difference, initial_state, machine, mean_std, run_cells, write_json
+from runner import ROOT, Cell, difference, figure, initial_state, machine, mean_std, run_cells, write_json
 
 D = 64
 VARIANTS = [  # (config, attention, key dim, mixing init)
@@ -140,11 +140,7 @@ def mixing_table(records: list[dict], runs: Path) -> str:
 
 
 def plot(records: list[dict], path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.2), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = figure(6.4, 4.2)
     ax = fig.add_subplot()
     series = [('collaborative', 'concatenate', 'collaborative (concatenate init)', 'C0', 'o'),
               ('collaborative', 'random', 'collaborative (random init)', 'C2', 's'),

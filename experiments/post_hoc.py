@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from statistics import fmean
 
-from runner import ROOT, Cell, env_for_children, git_commit, machine, read_run, run_cells, write_json
+from runner import ROOT, Cell, env_for_children, figure, git_commit, machine, read_run, run_cells, write_json
 
 METHODS = ('tucker', 'cp', 'parafac')
 KEY_DIMS = ('48', '32', '16', '0.99', '0.95', '0.9')
@@ -84,11 +84,7 @@ def table(rows: list[dict], source: dict, control: dict) -> str:
 
 
 def plot(rows: list[dict], source: dict, control: dict, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4.2), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = figure(10, 4.2)
     for col, (key, title, ref) in enumerate((('top1_converted', 'right after conversion', source),
                                              ('top1_finetuned', 'after a 1-epoch fine-tune', control))):
         ax = fig.add_subplot(1, 2, col + 1, sharey=fig.axes[0] if fig.axes else None)

@@ -148,6 +148,15 @@ def finish_cell(cell: Cell, run_dir: Path, seconds: float) -> dict[str, Any]:
             'date': time.strftime('%Y-%m-%dT%H:%M:%S')}
 
 
+def figure(width: float, height: float) -> Any:
+    """A matplotlib ``Figure`` at 120 dpi on an Agg canvas (no pyplot, no display): the experiments' plots."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix('.json.tmp')
     tmp.write_text(json.dumps(obj, indent=1) + '\n')
