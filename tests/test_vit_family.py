@@ -267,7 +267,7 @@ def test_convert_cli_writes_any_design_that_converts(label: str, tmp_path: Path)
     base = ["convert", "--model", name, "--checkpoint", str(tmp_path / "source.pth"), *flags, "--key-dim", "16"]
     assert cli_main(base + ["--out", str(tmp_path / "folder")]) == 0
     assert cli_main(base + ["--out", str(tmp_path / "m.safetensors")]) == 0
-    collab_vit.reparametrize_layers(source, key_dim=16, progress=False)
+    collab_vit.reparametrize(source, key_dim=16, progress=False)
     x = vit_family.images(3, seed=2)
     config = json.loads((tmp_path / "folder" / "config.json").read_text())
     assert config["architecture"] == "collab_vit_converted" and config["model_args"]["source_model"] == name
