@@ -14,7 +14,6 @@ closed form is already close, e.g. key dim D/4 on Fashion-MNIST: RESULTS.md), th
 from __future__ import annotations
 
 import numbers
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -46,8 +45,7 @@ def check_steps(steps: object) -> int:
 
 
 def _refine(params: list[nn.Parameter], batch_loss: Callable[[Tensor], Tensor], full_loss: Callable[[], float],
-            count: int, steps: int, lr: float, batch_size: int, seed: int, progress: bool, desc: str,
-            lines: int = 10) -> RefineResult:
+            count: int, steps: int, lr: float, batch_size: int, seed: int, progress: bool, desc: str) -> RefineResult:
     """Adam on ``params``: ``steps`` minibatches of ``batch_size`` indices in ``range(count)`` (seeded), the guard."""
     steps = check_steps(steps)
     if not isinstance(lr, numbers.Real) or not lr > 0:
@@ -58,17 +56,13 @@ def _refine(params: list[nn.Parameter], batch_loss: Callable[[Tensor], Tensor], 
     start = time.perf_counter()
     before = full_loss()
     start_weights = [p.detach().clone() for p in params]
-    terminal = progress and sys.stderr.isatty()  # a tqdm bar on a terminal, plain lines in a log file
-    every = max(1, steps // lines) if lines else steps + 1
-    for step in tqdm(range(steps), desc=desc, disable=not terminal, leave=lines > 1):
+    for step in tqdm(range(steps), desc=desc, disable=not progress):
         index = torch.randperm(count, generator=generator)[:batch_size]
         loss = batch_loss(index)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if progress and not terminal and ((step + 1) % every == 0 or step + 1 == steps):
-            print(f"{desc} step {step + 1}/{steps}: loss {losses[-1]:.3g}", file=sys.stderr, flush=True)
     after = full_loss()
     if after > before:
         with torch.no_grad():
