@@ -124,8 +124,6 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
     data.add_argument("--calibration-split", default="train", help="split to draw them from (default: train)")
     data.add_argument("--calibration-images", type=int, default=256,
                       help="images drawn at random (--seed) from the split (default: 256)")
-    data.add_argument("--ridge", type=float, default=1e-2, help="ridge of the token moments, relative to their "
-                      "mean eigenvalue (default: 1e-2)")
     return data
 
 
@@ -156,7 +154,7 @@ def _convert(args: argparse.Namespace) -> None:
     reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
                               seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
                               device=args.device, save_folder=save_pretrained, effort=args.effort,
-                              recipe=Recipe(ridge=args.ridge, amp=torch.device(args.device).type == "cuda"))
+                              recipe=Recipe(amp=torch.device(args.device).type == "cuda"))
     print(format_report(reports))
     if reports.summary:
         print(format_summary(reports.summary))
@@ -170,7 +168,7 @@ def _analyze(args: argparse.Namespace) -> None:
     from .conversion.files import analyze_to_files
 
     table, suggestion, budget = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold,
-                                                 calibration=_calibration(args), ridge=args.ridge)
+                                                 calibration=_calibration(args))
     print(table)
     print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}\n"
           f"suggested budget (the same {args.threshold:.0%} of the energy summed over the layers, spread by marginal "
