@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from collab_vit.training.model_factory import build_model as create_model
+from collab_vit.training.build import build_model as create_model
 from collab_vit.training.config import ConfigError, build_config, save_config
 from collab_vit.training.flags import parse_overrides, parse_train_args
 from timm.optim import create_optimizer_v2

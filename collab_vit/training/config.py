@@ -1,4 +1,5 @@
-"""Training configuration: one dataclass of hyperparameters, YAML files with ``base:`` inheritance, overrides.
+"""Training configuration: one dataclass of hyperparameters, YAML files with ``base:`` inheritance, overrides,
+and the two errors a user can cause (each message one line: the CLIs print it and exit 2).
 
 Every hyperparameter is a field of :class:`TrainConfig`. A YAML file sets any subset of them and may inherit from
 another file through ``base: relative/path.yaml``; overrides (``train.py``'s flags, :mod:`.flags`) replace the
@@ -11,12 +12,19 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
 from ..weights_io import atomic_write
-from .errors import ConfigError
+
+
+class ConfigError(ValueError):
+    """A config file, flag or option is invalid (a one-line message for the user: the CLIs print it, exit 2)."""
+
+
+class DataError(RuntimeError):
+    """The data directory is missing, empty or unreadable; the message names the path (one line, exit 2)."""
 
 
 @dataclass
@@ -69,7 +77,7 @@ class TrainConfig:
     lr_base_batch: int = 512
     weight_decay: float = 0.05
     layer_decay: float = 0.0  # layer-wise lr decay (BEiT/timm), e.g. 0.65 for fine-tuning; 0 disables
-    mixing_lr_scale: float = 1.0  # lr multiplier of the mixing matrices (param-group lr_scale; training/optim.py)
+    mixing_lr_scale: float = 1.0  # lr multiplier of the mixing matrices (param-group lr_scale; training/build.py)
     opt_eps: float = 1e-8
     momentum: float = 0.9
     clip_grad: float = 0.0  # 0 disables

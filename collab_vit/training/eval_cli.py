@@ -21,12 +21,12 @@ import torch
 
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, WriteError, atomic_write, model_pipeline, one_line, read_weights
-from .flags import parse_key_value_pairs
+from .build import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
+from .config import ConfigError, DataError
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
-from .errors import ConfigError, DataError
-from .loops import autocast_context, evaluate
-from .model_factory import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
+from .engine import autocast_context, evaluate
+from .flags import parse_key_value_pairs
 
 
 class _Parser(argparse.ArgumentParser):

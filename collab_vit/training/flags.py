@@ -13,8 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from .config import FIELDS, TrainConfig, _default, build_config
-from .errors import ConfigError
+from .config import FIELDS, ConfigError, TrainConfig, _default, build_config
 
 # One line of help per key, in the groups of timm's train.py.
 GROUPS: Dict[str, Dict[str, str]] = {

@@ -1,4 +1,5 @@
-"""One training epoch and one evaluation pass (the two loops; everything else is assembled in ``trainer``).
+"""The engine: one training epoch and one evaluation pass (as DeiT's engine.py; the run around them is
+:mod:`.trainer`'s, its parts are built in :mod:`.build`).
 
 What is synchronised when (a sync: a device-to-host read in this code, or a blocking collective):
 
@@ -22,7 +23,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
-from .preemption import StopRequest
+
+if TYPE_CHECKING:
+    from .checkpoint import StopRequest
 
 
 class NonFiniteLossError(RuntimeError):
