@@ -139,7 +139,7 @@ def test_checkpoint_without_geometry_resumes_with_one_warning(tiny_data, tmp_pat
 RANK_SCRIPT = '''import json, os, sys
 sys.path.insert(0, os.path.join({root!r}, 'tests'))
 from synccount import by_phase, install
-from collab_vit.training.flags import parse_train_args
+from collab_vit.training.config import parse_train_args
 from collab_vit.training import trainer
 start = {{}}
 assemble = trainer.assemble

@@ -25,7 +25,7 @@ from .build import Run, assemble, scaled_lr
 from .checkpoint import (SAMPLE_ORDER, StopRequest, check_geometry, check_run_dir, check_same_run, checkpoint_state,
                          gather_rng, geometry, load_training_checkpoint, plain, prepare_run_dir, repair_run_dir,
                          restore, rng_state, save_checkpoint, set_rng_state)
-from .config import ConfigError, DataError, TrainConfig, save_config
+from .config import ConfigError, DataError, TrainConfig, parse_train_args, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, cleanup_distributed, init_distributed
 from .engine import NonFiniteLossError, evaluate, train_one_epoch
 
@@ -348,7 +348,6 @@ def format_summary(s: Dict[str, Any]) -> str:
 def main(argv: Optional[list] = None) -> int:
     """Console entry: ``train.py -c CONFIG [--key value ...]``. Config, data and weights errors are one line, exit 2;
     a run stopped by a non-finite loss or a failed write (a full disk) is one line, exit 1."""
-    from .flags import parse_train_args
     try:
         cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
         train(cfg)
