@@ -173,8 +173,9 @@ def _restore_rng(rng_states: Optional[list], dist_info: DistInfo, log: RunLogger
 def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Dict[str, Any]:
     _set_up_process(cfg, dist_info)
     ckpt = _checkpoint_to_resume(cfg, dist_info)  # checks that write nothing come first (then model, data, weights)
-    run = assemble(cfg, dist_info, ckpt, os.path.join(cfg.output, 'last.pth'), stop_request)
-    notes = [] if ckpt is None else restore(run, ckpt, os.path.join(cfg.output, 'last.pth'))
+    last_path = os.path.join(cfg.output, 'last.pth')
+    run = assemble(cfg, dist_info, ckpt, last_path, stop_request)
+    notes = [] if ckpt is None else restore(run, ckpt, last_path)
     log = _open_run_dir(run, stop_request, ckpt, notes)
     rng_states = None if ckpt is None else ckpt['rng']
     del ckpt
