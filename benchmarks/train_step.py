@@ -33,11 +33,15 @@ def measure(steps: int, warmup: int, threads: int) -> dict:
     import torch
     from timm.loss import LabelSmoothingCrossEntropy
 
-    from collab_vit.training import loops
     from collab_vit.training.config import build_config
     from collab_vit.training.distributed import DistInfo
-    from collab_vit.training.model_factory import build_model
-    from collab_vit.training.optim import build_optimizer
+    try:
+        from collab_vit.training import engine as loops
+        from collab_vit.training.build import build_model, build_optimizer
+    except ImportError:  # the package before training/ was grouped by role
+        from collab_vit.training import loops
+        from collab_vit.training.model_factory import build_model
+        from collab_vit.training.optim import build_optimizer
 
     torch.set_num_threads(threads)
     cfg = build_config(str(ROOT / 'configs' / 'quickstart.yaml'), {})

@@ -145,7 +145,7 @@ def _convert(args: argparse.Namespace) -> None:
     from .conversion.recipe import Recipe
     from .conversion.support import kept_text
     from .hub import save_pretrained
-    from .training.flags import parse_key_value_pairs
+    from .training.config import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():

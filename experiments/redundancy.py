@@ -24,7 +24,7 @@ def initial_weights(trained: Path, out: Path) -> Path:
     from timm.utils import random_seed
 
     sys.path.insert(0, str(ROOT))
-    from collab_vit.training.model_factory import build_model
+    from collab_vit.training.build import build_model
     from collab_vit.weights_io import export_safetensors, read_weights
 
     _, meta = read_weights(str(trained))

@@ -180,7 +180,7 @@ def initial_state(config: dict[str, Any], seed: int) -> dict[str, Any]:
     package's ``build_model``)."""
     from timm.utils import random_seed
     sys.path.insert(0, str(ROOT))
-    from collab_vit.training.model_factory import build_model
+    from collab_vit.training.build import build_model
     kwargs = dict(config['model_kwargs'])
     if config.get('in_chans', 3) != 3:
         kwargs['in_chans'] = config['in_chans']

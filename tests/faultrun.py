@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from collab_vit import weights_io  # noqa: E402
-from collab_vit.training import preemption  # noqa: E402
+from collab_vit.training import checkpoint  # noqa: E402
 from collab_vit.training.trainer import main  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def install(spec: str) -> None:
     kind, *rest = spec.split(':')
     if kind == 'update':
         target, calls = int(rest[0]), [0]
-        original = preemption.StopRequest.requested
+        original = checkpoint.StopRequest.requested
 
         def requested(self):
             calls[0] += 1
@@ -42,7 +42,7 @@ def install(spec: str) -> None:
                 _kill()
             return original(self)
 
-        preemption.StopRequest.requested = requested
+        checkpoint.StopRequest.requested = requested
     elif kind in ('write', 'after'):
         name, target, calls = rest[0], int(rest[1]), [0]
         real_replace = os.replace

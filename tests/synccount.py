@@ -2,7 +2,7 @@
 ``.numpy()``, ``bool()``/``float()``/``int()``/formatting of a tensor) and blocking collectives, each attributed to
 the phase of the run it happened in (the trainer's ``_train_epoch`` / ``_evaluate_epoch`` / ``_save_epoch``, else
 ``other``). Only calls made directly by the loop's code count (LOOP_FILES; torch's and timm's internals are their
-own, and the samplers of ``preemption.py`` read CPU permutations, never a device tensor)."""
+own, and the samplers of ``data.py`` read CPU permutations, never a device tensor)."""
 import os
 import sys
 from collections import Counter
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 TRAINING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'collab_vit', 'training')
-LOOP_FILES = tuple(os.path.join(TRAINING, f) for f in ('loops.py', 'trainer.py', 'distributed.py', 'resume.py',
-                                                      'assembly.py'))
+LOOP_FILES = tuple(os.path.join(TRAINING, f) for f in ('engine.py', 'trainer.py', 'distributed.py', 'checkpoint.py',
+                                                      'build.py'))
 READS = ('item', 'tolist', 'cpu', 'numpy', '__bool__', '__float__', '__int__', '__format__')
 COLLECTIVES = ('all_reduce', 'all_gather', 'all_gather_object', 'broadcast', 'broadcast_object_list', 'barrier')
 PHASES = {'_train_epoch': 'train', '_evaluate_epoch': 'evaluate', '_save_epoch': 'save'}

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from collab_vit.training.model_factory import build_model as create_model
+from collab_vit.training.build import build_model as create_model
 from collab_vit.training.config import ConfigError, build_config, save_config
-from collab_vit.training.flags import parse_overrides, parse_train_args
+from collab_vit.training.config import parse_overrides, parse_train_args
 from timm.optim import create_optimizer_v2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +114,7 @@ def test_help_exits_zero_and_lists_options(command):
 
 def test_every_key_has_help_in_one_group():
     from collab_vit.training.config import FIELDS
-    from collab_vit.training.flags import GROUPS
+    from collab_vit.training.config import GROUPS
     keys = [k for group in GROUPS.values() for k in group]
     assert sorted(keys) == sorted(FIELDS) and len(keys) == len(set(keys))
 

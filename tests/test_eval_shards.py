@@ -14,7 +14,7 @@ from PIL import Image
 
 from collab_vit.training.data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from collab_vit.training.distributed import DistInfo
-from collab_vit.training.loops import evaluate
+from collab_vit.training.engine import evaluate
 
 from tinyrun import ROOT
 

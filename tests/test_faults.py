@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from collab_vit.training.build import ema_evaluable
 from collab_vit.training.checkpoint import load_checkpoint
-from collab_vit.training.config import build_config
+from collab_vit.training.config import DataError, build_config
 from collab_vit.training.datasets import DIGITS_MARKER, ensure_digits
-from collab_vit.training.errors import DataError
-from collab_vit.training.trainer import ema_evaluable, main, train
+from collab_vit.training.trainer import main, train
 
 from test_train import RNG_HEAVY
 from tinyrun import ROOT, make_image_folder, tiny_data, tiny_overrides, to_flags  # noqa: F401  (tiny_data: fixture)

@@ -21,7 +21,7 @@ import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.layers.weight_decay import CollabVisionTransformer
 from collab_vit.training.eval_cli import main as eval_main
-from collab_vit.training.model_factory import load_weights
+from collab_vit.training.build import load_weights
 
 TINY = dict(img_size=32, patch_size=8, depth=2, num_classes=7)
 DATA = Path(__file__).parent / "data"
@@ -276,8 +276,8 @@ def test_eval_of_a_folder_without_config_is_one_line(tmp_path: Path, capsys) -> 
 
 def test_model_name_local_dir_builds_the_folders_architecture(tmp_path: Path) -> None:
     """``train.py --model local-dir:DIR --checkpoint DIR``: the architecture from the folder, then its weights."""
-    from collab_vit.training.errors import ConfigError
-    from collab_vit.training.model_factory import build_model
+    from collab_vit.training.build import build_model
+    from collab_vit.training.config import ConfigError
 
     model = converted("vit_small_patch16_224", reg_tokens=1, **SMALL)
     collab_vit.save_pretrained(model, str(tmp_path / "m"))

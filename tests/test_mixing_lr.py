@@ -10,7 +10,7 @@ from timm.scheduler import create_scheduler_v2
 import collab_vit  # noqa: F401  (registers the models)
 from collab_vit.training.checkpoint import load_checkpoint
 from collab_vit.training.config import ConfigError, build_config
-from collab_vit.training.optim import build_optimizer
+from collab_vit.training.build import build_optimizer
 from collab_vit.training.trainer import train
 from tinyrun import ROOT, tiny_data, tiny_overrides  # noqa: F401  (tiny_data is a fixture)
 

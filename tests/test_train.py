@@ -50,7 +50,7 @@ def test_ddp_two_processes_agree(tiny_data, tmp_path):
     script = tmp_path / 'run_rank.py'
     script.write_text(
         'import json, os, sys\n'
-        'from collab_vit.training.flags import parse_train_args\n'
+        'from collab_vit.training.config import parse_train_args\n'
         'from collab_vit.training.trainer import train\n'
         's = train(parse_train_args(sys.argv[2:]))\n'
         'open(os.path.join(sys.argv[1], "rank%s.json" % os.environ["RANK"]), "w").write(json.dumps(s))\n')

@@ -11,7 +11,7 @@ import torch
 from collab_vit.training.checkpoint import load_checkpoint, save_checkpoint
 from collab_vit.training.config import build_config
 from collab_vit.training.distributed import DistInfo
-from collab_vit.training.loops import StepParts, train_one_epoch
+from collab_vit.training.engine import StepParts, train_one_epoch
 from collab_vit.training.trainer import main, train
 
 from synccount import by_phase, install
@@ -139,7 +139,7 @@ def test_checkpoint_without_geometry_resumes_with_one_warning(tiny_data, tmp_pat
 RANK_SCRIPT = '''import json, os, sys
 sys.path.insert(0, os.path.join({root!r}, 'tests'))
 from synccount import by_phase, install
-from collab_vit.training.flags import parse_train_args
+from collab_vit.training.config import parse_train_args
 from collab_vit.training import trainer
 start = {{}}
 assemble = trainer.assemble
@@ -150,7 +150,7 @@ def recording_assemble(*args, **kwargs):  # the weights each rank's model and EM
     return run
 trainer.assemble = recording_assemble
 if os.environ.get('STOP_RANK') == os.environ['RANK']:  # this rank alone asks to stop at its STOP_AT-th update
-    from collab_vit.training.preemption import StopRequest
+    from collab_vit.training.checkpoint import StopRequest
     calls, reason = [0], StopRequest.reason
     def asking(self):
         calls[0] += 1
@@ -213,8 +213,8 @@ def test_two_processes_ema_metrics_are_the_exported_emas(ddp_run):
     alone."""
     from collab_vit.training.data import build_dataset, build_eval_loader
     from collab_vit.training.distributed import DistInfo
-    from collab_vit.training.loops import evaluate
-    from collab_vit.training.model_factory import build_model
+    from collab_vit.training.build import build_model
+    from collab_vit.training.engine import evaluate
     record = json.loads((ddp_run['out'] / 'log.jsonl').read_text().splitlines()[0])
     assert record['val_samples'] == 9  # every val image once (the sampler's padding dropped)
     ckpt = ddp_run['epoch0']
@@ -262,7 +262,7 @@ def test_train_loader_on_a_torch_without_in_order(tiny_data, tmp_path, monkeypat
     """pyproject allows torch >= 2.4; DataLoader's ``in_order`` exists from 2.6: the single-process loader, rebuilt
     with the epoch-seeded sampler, copies it only where it exists (here removed, as on torch < 2.6)."""
     from collab_vit.training import data
-    from collab_vit.training.preemption import EpochSeededSampler
+    from collab_vit.training.data import EpochSeededSampler
     original = torch.utils.data.DataLoader.__init__
 
     def init(self, *args, **kwargs):

@@ -1,4 +1,5 @@
-"""Training checkpoints: atomic ``torch.save``, ``weights_only`` loading, RNG state capture, run-dir guard.
+"""Checkpoints: what they hold, writing and loading them, resuming from one, and the stop request that writes one
+inside an epoch.
 
 A training checkpoint is a dict of tensors and plain Python types only, so it loads with
 ``torch.load(weights_only=True)``: ``model``, ``model_ema`` (state dicts), ``optimizer``, ``scheduler``, ``scaler``,
@@ -6,29 +7,53 @@ A training checkpoint is a dict of tensors and plain Python types only, so it lo
 interrupted it, else 0), ``step`` (optimizer updates so far), ``best_top1``, ``best_epoch``, ``rng`` (one entry per
 rank: the state at the start of the next epoch, or of the interrupted one), ``rng_at_stop`` (only when interrupted:
 the states at the stop), ``config`` (resolved config dict), ``model_name``, ``model_kwargs``, ``geometry``
-(``batch_size``, ``world_size``, ``accum_steps``: what a resume checks, see :mod:`.resume`), ``data_config`` and
-``metrics``.
+(``batch_size``, ``world_size``, ``accum_steps``: what a resume checks), ``data_config`` and ``metrics``.
 
 Crash safety: every file is written atomically, and ``last.pth`` is the commit point of an epoch: it is written
 first, then ``best.pth``, ``epoch_NNNN.pth`` and the ``log.jsonl`` record, which :func:`repair_run_dir` re-derives
 from ``last.pth`` when a run killed between those writes is resumed. Temp files of writes cut short by a kill are
 removed at the next start (:func:`prepare_run_dir`).
+
+Resuming (:func:`restore`): a checkpoint written inside an epoch (after a stop request) continues that epoch by
+skipping the batches already trained, which is exact only with the batch size, world size and accumulation it was
+written with: other values are refused (:func:`check_geometry`). At an epoch end they may change (that is how a run
+grows to more GPUs); then the learning rate is the configured one for the *new* global batch (``lr x batch x world x
+accum / lr_base_batch``), the schedule is rebuilt for the new updates per epoch and placed at the epoch reached, and
+the update counter becomes ``epochs done x updates per epoch`` (as timm's train.py counts it); optimizer moments, EMA
+and best top-1 carry over. Checkpoints written before the geometry was recorded resume with one warning, their
+geometry read from their config and the number of their RNG states.
+
+Stopping early and cleanly (:class:`StopRequest`): on a signal or a ``STOP`` file, every rank leaves at the same
+optimizer update, with a checkpoint. Slurm (``--signal``), ``scancel --signal`` or a user sends SIGUSR1 / SIGTERM to
+the trainer, or anyone creates ``<output>/STOP`` (the Slurm scripts do this when the batch shell is signalled: it
+reaches every node through the shared run directory). The training loop asks :meth:`StopRequest.requested` at each
+update boundary (host only) and the ranks agree on the answer at the loop's next read (every ``log_interval`` updates
+and at the end of a pass, see :mod:`.engine`; in one process at once), so they checkpoint after the same step and
+exit. The longest delay between a request and the stop is thus ``log_interval`` updates plus the checkpoint write:
+Slurm's ``--signal`` lead time must cover it. Repeated signals change nothing (under Slurm a worker gets SIGTERM both
+from slurmstepd and from its torchrun agent); SIGINT (Ctrl-C) still ends a run at once.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import re
 import shutil
-from typing import Any, Dict, List, Optional
+import signal
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 
 from ..weights_io import WeightsError, atomic_write, remove_stale_temps, torch_load
-from .errors import ConfigError
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .build import Run
 
 RESULT_FILES = ('last.pth', 'log.jsonl', 'model.safetensors', 'best.pth')
 # what a run directory may hold besides hidden files: this package's files, the Slurm scripts' logs/, wandb's folder
@@ -38,6 +63,10 @@ WRITTEN_FILES = ('last.pth', 'best.pth', 'epoch_', 'log.jsonl', 'config.yaml', '
                  'model_ema.safetensors')
 # config keys that make a run what it is: another value means another run (other keys may change on resume)
 IDENTITY_KEYS = ('model', 'model_kwargs', 'num_classes', 'img_size', 'in_chans')
+GEOMETRY_KEYS = ('batch_size', 'world_size', 'accum_steps')
+SAMPLE_ORDER = 'epoch_seeded'  # marks mid-epoch checkpoints whose single-process order is EpochSeededSampler's
+STOP_FILE = 'STOP'
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def save_checkpoint(state: Dict[str, Any], path: str) -> None:
@@ -208,3 +237,172 @@ def repair_run_dir(output: str, ckpt: Dict[str, Any], checkpoint_every: int) -> 
             atomic_write(path, lambda f: _copy(last, f))
             changed.append(name)
     return changed
+
+
+def geometry(batch_size: int, world_size: int, accum_steps: int) -> Dict[str, int]:
+    """What a checkpoint records of how its samples were cut into batches and updates."""
+    return {'batch_size': batch_size, 'world_size': world_size, 'accum_steps': accum_steps}
+
+
+def recorded_geometry(ckpt: Dict[str, Any]) -> Tuple[Dict[str, Optional[int]], bool]:
+    """The geometry a checkpoint was written with, and whether it had to be inferred (an older checkpoint)."""
+    if isinstance(ckpt.get('geometry'), dict):
+        return {k: ckpt['geometry'].get(k) for k in GEOMETRY_KEYS}, False
+    config = ckpt.get('config') or {}
+    return geometry(config.get('batch_size'), len(ckpt.get('rng') or []) or None, config.get('accum_steps')), True
+
+
+def geometry_change(old: Dict[str, Optional[int]], new: Dict[str, int]) -> Optional[str]:
+    """'batch_size 4 there, 2 now; ...' for the values that differ (unknown old values are not compared)."""
+    diffs = [f'{k} {old[k]} there, {new[k]} now' for k in GEOMETRY_KEYS if old.get(k) is not None and old[k] != new[k]]
+    return '; '.join(diffs) or None
+
+
+def geometry_text(values: Dict[str, Optional[int]]) -> str:
+    """'batch_size 4, world_size 1, accum_steps 1' (for the log)."""
+    return ', '.join(f'{k} {"unknown" if values[k] is None else values[k]}' for k in GEOMETRY_KEYS)
+
+
+def check_geometry(ckpt: Dict[str, Any], new: Dict[str, int], path: str) -> Optional[str]:
+    """Refuse (ConfigError, one line) a mid-epoch checkpoint whose geometry differs from ``new``; return the change
+    at an epoch end (or None)."""
+    change = geometry_change(recorded_geometry(ckpt)[0], new)
+    if change and ckpt.get('batches_done'):
+        raise ConfigError(f'{os.path.abspath(path)} was stopped inside epoch {ckpt["epoch"] + 1} (after batch '
+                          f'{ckpt["batches_done"]}) with other values ({change}): that epoch can only continue '
+                          f'exactly with the values it was written with; resume with those')
+    return change
+
+
+def checkpoint_state(run: Run, epoch: int, rng_all: list, metrics: Dict[str, Any],
+                     batches_done: int = 0) -> Dict[str, Any]:
+    """The training checkpoint (keys in the module docstring); ``epoch`` is the last finished one and
+    ``batches_done`` the batches already trained of the next (0 at an epoch boundary)."""
+    step, cfg = run.step, run.cfg
+    return {
+        'model': run.unwrapped.state_dict(), 'optimizer': step.optimizer.state_dict(),
+        'scheduler': step.scheduler.state_dict(), 'scaler': step.loss_scaler.state_dict() if step.loss_scaler else None,
+        'model_ema': step.model_ema.module.state_dict() if step.model_ema is not None else None,
+        'epoch': epoch, 'batches_done': batches_done, 'step': run.num_updates, 'best_top1': run.best_top1,
+        'best_epoch': run.best_epoch, 'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model,
+        'model_kwargs': run.model_kwargs, 'geometry': run_geometry(run), 'data_config': plain(run.data_cfg),
+        'metrics': metrics,
+    }
+
+
+def plain(data_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A data config with tuples as lists (as a checkpoint, an export and the results JSON record it)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()}
+
+
+def gather_rng(state: Dict[str, Any]) -> list:
+    """Every rank's ``state`` (an RNG state), in rank order (a list of one on a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def run_geometry(run: Run) -> Dict[str, int]:
+    """The geometry of ``run`` as it runs now."""
+    return geometry(run.cfg.batch_size, run.dist_info.world_size, run.cfg.accum_steps)
+
+
+def restore(run: Run, ckpt: Dict[str, Any], path: str) -> List[str]:
+    """Load optimizer, scheduler and scaler state from ``ckpt`` into the freshly built ``run`` and place it where
+    the checkpoint stopped (the model and EMA weights were loaded at build time); returns lines for the log."""
+    step, notes = run.step, []
+    fresh_lrs = [g.get('initial_lr', g['lr']) for g in step.optimizer.param_groups]
+    step.optimizer.load_state_dict(ckpt['optimizer'])
+    if step.loss_scaler is not None and ckpt.get('scaler'):
+        step.loss_scaler.load_state_dict(ckpt['scaler'])
+    run.start_epoch, run.num_updates, run.batches_done = ckpt['epoch'] + 1, ckpt['step'], ckpt.get('batches_done', 0)
+    run.best_top1, run.best_epoch = ckpt['best_top1'], ckpt['best_epoch']
+    old, inferred = recorded_geometry(ckpt)
+    if inferred:
+        notes.append(f'warning: {path} was written before checkpoints recorded batch size, world size and '
+                     f'accumulation: taken from its config and RNG states ({geometry_text(old)})')
+    change = check_geometry(ckpt, run_geometry(run), path)
+    if change:  # at an epoch end: the new global batch's lr, the schedule rebuilt and placed at the epoch reached
+        for group, lr in zip(step.optimizer.param_groups, fresh_lrs):
+            group['initial_lr'] = lr
+        run.num_updates = run.start_epoch * run.updates_per_epoch
+        notes.append(f'resuming with other values ({change}): lr {fresh_lrs[0]:.3g} for the new global batch, '
+                     f'schedule at epoch {run.start_epoch} = update {run.num_updates} '
+                     f'({run.updates_per_epoch} per epoch)')
+    else:
+        step.scheduler.load_state_dict(ckpt['scheduler'])
+    notes += _restore_inside_epoch(run, ckpt, path)
+    if step.sched_on_updates:
+        step.scheduler.step_update(run.num_updates)
+    else:
+        step.scheduler.step(run.start_epoch)
+    return notes
+
+
+def _restore_inside_epoch(run: Run, ckpt: Dict[str, Any], path: str) -> List[str]:
+    """A stop inside an epoch: the RNG states at the stop, restored once the trained batches are skipped. At an
+    epoch end: the last metrics (the final summary of a run killed after its last checkpoint, before its export)."""
+    if not run.batches_done:
+        run.metrics = {k: v for k, v in (ckpt.get('metrics') or {}).items() if k in ('top1', 'top5')}
+        return []
+    dist_info = run.dist_info
+    if len(ckpt['rng_at_stop']) == dist_info.world_size:
+        run.skipper.after_skip = functools.partial(set_rng_state, ckpt['rng_at_stop'][dist_info.rank])
+    if not dist_info.distributed and ckpt.get('sample_order') != SAMPLE_ORDER:
+        return [f'warning: {path} was written inside an epoch by an older version whose sample order differs: the '
+                f'rest of epoch {run.start_epoch} may repeat or miss some samples']
+    return []
+
+
+class StopRequest:
+    """Collects stop requests (signals, ``<output>/STOP``) and turns them into one decision shared by all ranks."""
+
+    def __init__(self, output: str, is_main: bool, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
+        self.stop_file = os.path.join(output, STOP_FILE)
+        self.is_main = is_main
+        self.received: Optional[str] = None
+        self.decided: Optional[str] = None  # why the ranks agreed to stop ('another rank' where this one had none)
+        self.pending: Optional[str] = None  # this rank's reason, kept until the ranks agree
+        self._previous = {}
+        for sig in signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. a test runner): files still work
+                pass
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def reason(self) -> Optional[str]:
+        """Why this rank wants to stop (a signal name or the stop file), or None."""
+        if self.received:
+            return self.received
+        if self.is_main and os.path.exists(self.stop_file):
+            return STOP_FILE
+        return None
+
+    def requested(self) -> bool:
+        """Whether this rank has a reason to stop (asked once per optimizer update; host only, no collective). The
+        reason is kept until the ranks agree (:meth:`agree`), which the training loop does at its next read."""
+        self.pending = self.pending or self.reason()
+        return self.pending is not None
+
+    def agree(self, wanted_here: bool) -> None:
+        """Record that the ranks agreed to stop (``wanted_here``: this rank had a reason itself)."""
+        self.decided = (self.pending if wanted_here else None) or 'another rank'
+        self.pending = None
+
+    def acknowledge(self) -> bool:
+        """Remove the stop file (rank 0) once it is answered, or a stale one at start; True when there was one."""
+        if self.is_main and os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
+            return True
+        return False
+
+    def restore_handlers(self) -> None:
+        """Put back the signal handlers that were there before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

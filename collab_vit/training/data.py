@@ -1,21 +1,48 @@
-"""Datasets, loaders and mixup for training and evaluation, all built from timm's data pipeline."""
+"""Datasets, samplers, loaders and mixup for training and evaluation, all built from timm's data pipeline.
+
+Mid-epoch resume: the sample order of an epoch is a function of (seed, epoch) alone (:class:`EpochSeededSampler` in
+a single process, torch's / timm's distributed samplers otherwise), never of the global RNG, so a fresh data-loader
+iterator (which first draws its workers' base seed from the global RNG) replays the same order.
+:class:`SkipFirstSampler` wraps the training loader's sampler, skips the batches already trained without loading
+them, and then calls back (the resume restores the RNG state saved at the stop there), so that what runs in the main
+process afterwards (augmentation with ``num_workers=0``, mixup, drop path) draws the same numbers as an
+uninterrupted run. Data-loader workers are restarted and reseeded, so with ``num_workers > 0`` their augmentations
+differ from the uninterrupted run; the samples they load do not.
+
+Pillow >= 13 rejects ``ImageOps.posterize(img, 0)``; timm's RandAugment ``PosterizeIncreasing`` (DeiT's
+``rand-m9-mstd0.5-inc1``) asks for 0 bits whenever the sampled magnitude reaches 10, which crashes a data worker.
+Keeping 0 bits meant an all-black image before Pillow 13, so that is what :func:`posterize` returns.
+"""
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Sized
 
+import numpy as np
 import torch
-from PIL import Image
-from timm.data import FastCollateMixup, ImageDataset, Mixup, create_dataset, create_loader, resolve_data_config
+from PIL import Image, ImageOps
+from timm.data import (FastCollateMixup, ImageDataset, Mixup, auto_augment, create_dataset, create_loader,
+                       resolve_data_config)
 from timm.data.dataset_factory import _EVAL_SYNONYM, _TRAIN_SYNONYM, _search_split
 
 from ..weights_io import one_line
-from .compat import patch_timm_posterize
-from .config import TrainConfig
+from .config import ConfigError, DataError, TrainConfig
 from .distributed import DistInfo
-from .errors import ConfigError, DataError
-from .preemption import EpochSeededSampler
+
+def posterize(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.Image:
+    """timm's posterize op, with ``bits_to_keep <= 0`` giving the black image older Pillow produced."""
+    if bits_to_keep <= 0:
+        return ImageOps.posterize(img, 1).point(lambda _: 0)
+    return auto_augment.posterize(img, bits_to_keep, **kwargs)
+
+
+def patch_timm_posterize() -> None:
+    """Route timm's Posterize* RandAugment ops through :func:`posterize` (idempotent)."""
+    for name, fn in list(auto_augment.NAME_TO_OP.items()):
+        if fn is auto_augment.posterize:
+            auto_augment.NAME_TO_OP[name] = posterize
+
 
 patch_timm_posterize()
 
@@ -189,6 +216,72 @@ def build_mixup(cfg: TrainConfig, fast: bool) -> Optional[Mixup]:
     cls = FastCollateMixup if fast else Mixup
     return cls(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob, switch_prob=cfg.mixup_switch_prob,
                mode=cfg.mixup_mode, label_smoothing=cfg.smoothing, num_classes=cfg.num_classes)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 64-bit seed from ``seed`` and ``epoch`` (numpy's SeedSequence: (s, e + 1) and (s + 1, e) differ)."""
+    return int(np.random.SeedSequence([seed % 2 ** 64, epoch]).generate_state(1, np.uint64)[0])
+
+
+class EpochSeededSampler(torch.utils.data.Sampler):
+    """A random permutation of ``data_source`` drawn from its own generator seeded by (seed, epoch), like torch's
+    ``DistributedSampler`` for one process: the order depends on nothing else (not the global RNG, not how often or
+    when an iterator is created). ``set_epoch`` selects the epoch's permutation."""
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        self.data_source = data_source
+        self.seed = seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(epoch_seed(self.seed, self.epoch))
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class SkipFirstSampler(torch.utils.data.Sampler):
+    """``sampler`` with its first ``skip`` indices dropped; ``set_epoch`` passes through.
+
+    The wrapped sampler draws its whole permutation as before (its order must not depend on the global RNG: see
+    :class:`EpochSeededSampler`). When ``after_skip`` is set, it is called once the skipped indices are drawn
+    (before the first kept one is used), then forgotten.
+    """
+
+    def __init__(self, sampler: torch.utils.data.Sampler, skip: int = 0) -> None:
+        self.sampler = sampler
+        self.skip = skip
+        self.after_skip: Optional[Callable[[], None]] = None
+
+    def __iter__(self) -> Iterator[int]:
+        for i, index in enumerate(self.sampler):
+            if i < self.skip:
+                continue
+            if self.after_skip is not None:
+                self.after_skip()
+                self.after_skip = None
+            yield index
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.skip, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, 'set_epoch'):
+            self.sampler.set_epoch(epoch)
+
+
+def make_skippable(loader) -> SkipFirstSampler:
+    """Wrap the sampler of a timm training loader (DataLoader or timm's PrefetchLoader) in a SkipFirstSampler."""
+    inner = getattr(loader, 'loader', loader)  # timm's PrefetchLoader keeps the DataLoader in .loader
+    batch_sampler = inner.batch_sampler
+    wrapped = SkipFirstSampler(batch_sampler.sampler)
+    batch_sampler.sampler = wrapped
+    return wrapped
 
 
 def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist_info: DistInfo,

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from ..weights_io import atomic_write, current_umask, write_error
-from .errors import DataError
+from .config import DataError
 
 DIGITS_SIZE = 32  # pixels per side of the written images (upsampled from 8x8)
 VAL_EVERY = 5  # every 5th sample (in load_digits order) goes to val/: a fixed, deterministic 80/20 split

@@ -15,28 +15,22 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, WriteError, atomic_write, model_pipeline, one_line, read_weights
-from .flags import parse_key_value_pairs
+from .build import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
+from .config import ConfigError, DataError, Parser, parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
-from .errors import ConfigError, DataError
-from .loops import autocast_context, evaluate
-from .model_factory import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (main prints it)
-        raise ConfigError(message)
+from .engine import autocast_context, evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:
     """eval.py's flags; timm's validate.py spellings (-b, -j, --data, --results-file) are accepted too."""
-    p = _Parser(prog='eval.py', description=__doc__.splitlines()[0], allow_abbrev=False,
+    p = Parser(prog='eval.py', description=__doc__.splitlines()[0], allow_abbrev=False,
                 epilog='Examples:\n  python eval.py --checkpoint runs/b192/model.safetensors --data-dir /data/imagenet\n'
                        '  python eval.py --model deit_base_patch16_224 --checkpoint deit_base.pth --data-dir /data/imagenet\n'
                        '  python eval.py --checkpoint converted_b384/ --data-dir /data/imagenet   (save_pretrained folder)',
@@ -99,43 +93,48 @@ def eval_pipeline(args: argparse.Namespace, recorded: Optional[Dict[str, Any]],
     return data_cfg
 
 
+def load_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, str, Dict[str, Any], Optional[Dict[str, Any]]]:
+    """The model named by the flags or the checkpoint, with the checkpoint's weights: (model, name, keywords, the
+    data config its weights are evaluated with when the flags name none)."""
+    state, meta = read_weights(args.checkpoint, args.use_ema) if args.checkpoint else ({}, {})
+    name = args.model or meta.get('model_name', '')
+    if not name:
+        raise ConfigError('no --model given and the checkpoint does not record its model name')
+    kwargs = dict(meta.get('model_kwargs') or {}) if meta.get('model_name', name) == name else {}
+    kwargs.update(parse_key_value_pairs(args.model_kwargs, '--model-kwargs'))
+    num_classes = args.num_classes or kwargs.pop('num_classes', None)
+    kwargs.pop('num_classes', None)
+    if num_classes is None:
+        num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 1000
+    img_size = args.img_size or kwargs.pop('img_size', None)
+    kwargs.pop('img_size', None)
+    if args.in_chans:
+        kwargs['in_chans'] = args.in_chans
+    try:
+        model = build_model(name, num_classes, img_size, 0.0, kwargs)
+    except ConfigError as e:
+        if meta.get('model_name') and not args.model:  # the name and keywords came from the file
+            raise ConfigError(f'{e} (as recorded in the metadata of {os.path.abspath(args.checkpoint)})') from None
+        raise
+    recorded = meta.get('data_config')
+    if state:
+        converts = is_standard_attention_state(state) and any(
+            isinstance(m, CollaborativeAttention) for m in model.modules())  # fit_state converts them on load
+        model.load_state_dict(fit_state(model, state, args.checkpoint,
+                                        conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
+        if converts and not recorded:  # timm/DeiT weights converted on load: evaluated as timm evaluates them
+            recorded = source_weights_pipeline(name, model)
+    return model, name, kwargs, recorded
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Build the model, load its weights, evaluate; returns the results dict (written to ``--output``)."""
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     dist_info = init_distributed(args.device)
     try:
-        state, meta = read_weights(args.checkpoint, args.use_ema) if args.checkpoint else ({}, {})
-        name = args.model or meta.get('model_name', '')
-        if not name:
-            raise ConfigError('no --model given and the checkpoint does not record its model name')
-        kwargs = dict(meta.get('model_kwargs') or {}) if meta.get('model_name', name) == name else {}
-        kwargs.update(parse_key_value_pairs(args.model_kwargs, '--model-kwargs'))
-        num_classes = args.num_classes or kwargs.pop('num_classes', None)
-        kwargs.pop('num_classes', None)
-        if num_classes is None:
-            num_classes = state['head.weight'].shape[0] if 'head.weight' in state else 1000
-        img_size = args.img_size or kwargs.pop('img_size', None)
-        kwargs.pop('img_size', None)
-        if args.in_chans:
-            kwargs['in_chans'] = args.in_chans
-        try:
-            model = build_model(name, num_classes, img_size, 0.0, kwargs)
-        except ConfigError as e:
-            if meta.get('model_name') and not args.model:  # the name and keywords came from the file
-                raise ConfigError(f'{e} (as recorded in the metadata of {os.path.abspath(args.checkpoint)})') \
-                    from None
-            raise
-        converts = bool(state) and is_standard_attention_state(state) and any(
-            isinstance(m, CollaborativeAttention) for m in model.modules())  # fit_state converts them on load
-        if state:
-            model.load_state_dict(fit_state(model, state, args.checkpoint,
-                                            conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
+        model, name, kwargs, recorded = load_model(args)
         model.to(dist_info.device)
-
-        recorded = meta.get('data_config')
-        if not recorded and converts:  # timm/DeiT weights converted on load: evaluated as timm evaluates them
-            recorded = source_weights_pipeline(name, model)
         if args.data_config_from:
             recorded = read_weights(args.data_config_from)[1].get('data_config')
             if not recorded:

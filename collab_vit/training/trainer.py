@@ -1,32 +1,33 @@
-"""The training run, top to bottom: set-up from a :class:`TrainConfig`, resume, the epoch loop, checkpoints, export.
+"""The training run, top to bottom (as DeiT's main.py): set-up from a :class:`TrainConfig`, resume, the epoch loop,
+checkpoints, export, and the run's log.
 
-``_train`` reads as timm's and DeiT's engines: parts (:mod:`.assembly`), resume (:mod:`.resume`), then per epoch
-one training pass (:mod:`.loops`), evaluation, and the checkpoint; a stop request checkpoints inside the epoch.
+``_train`` reads as timm's and DeiT's mains: the parts (:func:`~.build.assemble`, one :class:`~.build.Run`), resume
+(:func:`~.checkpoint.restore`), then per epoch one training pass (:mod:`.engine`), evaluation, and the checkpoint; a
+stop request checkpoints inside the epoch. Logging is on rank 0: one summary line per epoch, ``log.jsonl``, and
+optional wandb that never blocks a run.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import socket
+import sys
 import time
 from typing import Any, Dict, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 from timm.utils import random_seed
-from torch.nn.parallel import DistributedDataParallel
 
-from ..weights_io import WeightsError, WriteError, export_safetensors, one_line, torch_load
-from .assembly import RunParts, assemble, ema_evaluable  # noqa: F401  (ema_evaluable: re-exported)
-from .checkpoint import (check_run_dir, check_same_run, load_training_checkpoint, prepare_run_dir, repair_run_dir,
-                         rng_state, save_checkpoint, set_rng_state)
-from .config import TrainConfig, save_config
+from ..weights_io import WeightsError, WriteError, append_line, export_safetensors, one_line, torch_load
+from .build import Run, assemble, scaled_lr
+from .checkpoint import (SAMPLE_ORDER, StopRequest, check_geometry, check_run_dir, check_same_run, checkpoint_state,
+                         gather_rng, geometry, load_training_checkpoint, plain, prepare_run_dir, repair_run_dir,
+                         restore, rng_state, save_checkpoint, set_rng_state)
+from .config import ConfigError, DataError, TrainConfig, parse_train_args, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, cleanup_distributed, init_distributed
-from .errors import ConfigError, DataError
-from .logger import RunLogger
-from .loops import NonFiniteLossError, evaluate, train_one_epoch
-from .preemption import SAMPLE_ORDER, StopRequest
-from .resume import ResumePoint, check_geometry, geometry, restore
+from .engine import NonFiniteLossError, evaluate, train_one_epoch
 
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> Union[int, List[int]]:
@@ -42,10 +43,6 @@ def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) 
     return int(match.group(1)) if match else int(getattr(model, 'embed_dim', 0))
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def state_dict_sha256(state_dict: Dict[str, torch.Tensor]) -> str:
     """A fingerprint of a model's weights (to check that DDP ranks agree)."""
     digest = hashlib.sha256()
@@ -53,33 +50,6 @@ def state_dict_sha256(state_dict: Dict[str, torch.Tensor]) -> str:
         digest.update(key.encode())
         digest.update(state_dict[key].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _gather_rng(dist_info: DistInfo, state: Dict[str, Any]) -> list:
-    """Every rank's ``state`` (an RNG state), in rank order (a list of one on a single process)."""
-    if not dist_info.distributed:
-        return [state]
-    states = [None] * dist_info.world_size
-    dist.all_gather_object(states, state)
-    return states
-
-
-def checkpoint_state(cfg: TrainConfig, run: RunParts, point: ResumePoint, epoch: int, rng_all: list,
-                     metrics: Dict[str, Any], batches_done: int = 0) -> Dict[str, Any]:
-    """The training checkpoint (keys documented in :mod:`collab_vit.training.checkpoint`); ``epoch`` is the last
-    finished one and ``batches_done`` the batches already trained of the next (0 at an epoch boundary)."""
-    step = run.step
-    return {
-        'model': _unwrap(run.model).state_dict(), 'optimizer': step.optimizer.state_dict(),
-        'scheduler': run.scheduler.state_dict(), 'scaler': step.loss_scaler.state_dict() if step.loss_scaler else None,
-        'model_ema': step.model_ema.module.state_dict() if step.model_ema is not None else None,
-        'epoch': epoch, 'batches_done': batches_done, 'step': point.num_updates, 'best_top1': point.best_top1,
-        'best_epoch': point.best_epoch, 'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model,
-        'model_kwargs': run.model_kwargs,
-        'geometry': geometry(cfg.batch_size, step.dist_info.world_size, cfg.accum_steps),
-        'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in run.data_cfg.items()},
-        'metrics': metrics,
-    }
 
 
 def _check_on_rank0(fn, dist_info: DistInfo) -> None:
@@ -141,10 +111,22 @@ def _set_up_process(cfg: TrainConfig, dist_info: DistInfo) -> None:
     random_seed(cfg.seed, dist_info.rank)  # per rank; DDP then broadcasts rank 0's initial weights
 
 
-def _open_run_dir(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest, ckpt: Optional[Dict[str, Any]],
-                  point: ResumePoint, resume: bool) -> RunLogger:
+def _checkpoint_to_resume(cfg: TrainConfig, dist_info: DistInfo) -> Optional[Dict[str, Any]]:
+    """Checks that write nothing: the run directory, then the checkpoint to resume (when resuming), loaded."""
+    last_path = os.path.join(cfg.output, 'last.pth')
+    resume = cfg.resume or (cfg.auto_resume and bool(broadcast_object(os.path.isfile(last_path))))
+    _check_on_rank0(lambda: check_run_dir(cfg.output, resume, cfg.to_dict()), dist_info)
+    if not resume:
+        return None
+    ckpt = load_training_checkpoint(last_path)
+    check_same_run(ckpt, cfg.to_dict(), last_path)
+    check_geometry(ckpt, geometry(cfg.batch_size, dist_info.world_size, cfg.accum_steps), last_path)
+    return ckpt
+
+
+def _open_run_dir(run: Run, stop_request: StopRequest, ckpt: Optional[Dict[str, Any]], notes: List[str]) -> RunLogger:
     """Only now is anything written: the run directory, repaired after a crash when resuming, and the config."""
-    repaired: list = []
+    cfg, dist_info, repaired = run.cfg, run.dist_info, []
     if dist_info.is_main:
         repaired = prepare_run_dir(cfg.output)
         if ckpt is not None:
@@ -152,182 +134,197 @@ def _open_run_dir(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopReque
         save_config(cfg, os.path.join(cfg.output, 'config.yaml'))
     barrier()
     log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
-                    cfg.experiment, resume)
+                    cfg.experiment, ckpt is not None)
     if stop_request.acknowledge():
         log.info(f'removed a stale {stop_request.stop_file} from an earlier invocation')
     if repaired:
         log.info(f'after an interrupted run: removed or rewrote {", ".join(os.path.basename(r) for r in repaired)}')
     if ckpt is not None:
-        within = f', after batch {point.batches_done} of that epoch' if point.batches_done else ''
-        log.info(f'resumed {cfg.output} at epoch {point.start_epoch}{within} (step {point.num_updates})')
-    for note in point.notes:
+        within = f', after batch {run.batches_done} of that epoch' if run.batches_done else ''
+        log.info(f'resumed {cfg.output} at epoch {run.start_epoch}{within} (step {run.num_updates})')
+    for note in notes:
         log.info(note)
     return log
 
 
-def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Dict[str, Any]:
-    _set_up_process(cfg, dist_info)
-    # Checks that write nothing come first: run directory, checkpoint to resume, model, data, start weights.
-    last_path = os.path.join(cfg.output, 'last.pth')
-    resume = cfg.resume or (cfg.auto_resume and bool(broadcast_object(os.path.isfile(last_path))))
-    _check_on_rank0(lambda: check_run_dir(cfg.output, resume, cfg.to_dict()), dist_info)
-    ckpt = load_training_checkpoint(last_path) if resume else None
-    now = geometry(cfg.batch_size, dist_info.world_size, cfg.accum_steps)
-    if ckpt is not None:
-        check_same_run(ckpt, cfg.to_dict(), last_path)
-        check_geometry(ckpt, now, last_path)
-    run = assemble(cfg, dist_info, ckpt, last_path, stop_request)
-    point = ResumePoint() if ckpt is None else restore(
-        ckpt, last_path, run.step, run.scheduler, run.skipper, now, run.updates_per_epoch, cfg.sched_on_updates,
-        dist_info)
-    log = _open_run_dir(cfg, dist_info, stop_request, ckpt, point, resume)
-    del ckpt
+def _log_start(run: Run, key_dim, log: RunLogger) -> None:
+    cfg, dist_info = run.cfg, run.dist_info
     if run.step.model_ema is not None and not run.evaluate_ema:
         log.info('the EMA is kept on the cpu (model_ema_force_cpu): as in timm, it is not evaluated during training; '
                  'its weights are saved and exported (evaluate them with eval.py)')
-    key_dim = key_dim_of(_unwrap(run.model), cfg.model, cfg.model_kwargs)
-    log.info(f'{cfg.model} (key dim {key_dim}, {run.num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
-             f'{dist_info.device.type}: {len(run.train_set)} train / {len(run.val_set)} val images, global batch '
-             f'{run.global_batch}, lr {run.lr:.3g}, {cfg.epochs} epochs')
-    if point.rng_states is not None:  # last thing before the loop, so nothing above shifts the streams
-        if len(point.rng_states) == dist_info.world_size:
-            set_rng_state(point.rng_states[dist_info.rank])
-        else:
-            log.info(f'warning: checkpoint has RNG states for {len(point.rng_states)} ranks, running on '
-                     f'{dist_info.world_size}: RNG streams are not restored')
+    global_batch, lr = scaled_lr(cfg, dist_info.world_size)
+    num_params = sum(p.numel() for p in run.unwrapped.parameters())
+    log.info(f'{cfg.model} (key dim {key_dim}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
+             f'{dist_info.device.type}: {len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val '
+             f'images, global batch {global_batch}, lr {lr:.3g}, {cfg.epochs} epochs')
 
-    epochs_run, bad_images = 0, 0.0
-    for epoch in range(point.start_epoch, cfg.epochs):
+
+def _restore_rng(rng_states: Optional[list], dist_info: DistInfo, log: RunLogger) -> None:
+    """The resumed RNG streams: the last thing before the loop, so nothing above shifts them."""
+    if rng_states is None:
+        return
+    if len(rng_states) == dist_info.world_size:
+        set_rng_state(rng_states[dist_info.rank])
+    else:
+        log.info(f'warning: checkpoint has RNG states for {len(rng_states)} ranks, running on '
+                 f'{dist_info.world_size}: RNG streams are not restored')
+
+
+def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Dict[str, Any]:
+    _set_up_process(cfg, dist_info)
+    ckpt = _checkpoint_to_resume(cfg, dist_info)  # checks that write nothing come first (then model, data, weights)
+    last_path = os.path.join(cfg.output, 'last.pth')
+    run = assemble(cfg, dist_info, ckpt, last_path, stop_request)
+    notes = [] if ckpt is None else restore(run, ckpt, last_path)
+    log = _open_run_dir(run, stop_request, ckpt, notes)
+    rng_states = None if ckpt is None else ckpt['rng']
+    del ckpt
+    key_dim = key_dim_of(run.unwrapped, cfg.model, cfg.model_kwargs)
+    _log_start(run, key_dim, log)
+    _restore_rng(rng_states, dist_info, log)
+    epochs_run = 0
+    for epoch in range(run.start_epoch, cfg.epochs):
         start = time.perf_counter()
         epoch_rng = rng_state()  # what a mid-epoch checkpoint stores (the sampler's order depends on the epoch only)
-        record = _train_epoch(cfg, run, point, epoch, log)
+        record = _train_epoch(run, epoch, log)
         stopped = record.pop('stopped')
-        if stopped and point.batches_done:
-            return _stop_inside_epoch(cfg, run, point, epoch, epoch_rng, record, log, stop_request)
+        if stopped and run.batches_done:
+            return _stop_inside_epoch(run, epoch, epoch_rng, record, log)
         if not cfg.sched_on_updates:
-            run.scheduler.step(epoch + 1)
-        bad_images = _evaluate_epoch(cfg, run, point, epoch, record, bad_images, log)
-        record.update(epoch=epoch, step=point.num_updates, epoch_time=time.perf_counter() - start)
-        _save_epoch(cfg, run, point, epoch, record)
+            run.step.scheduler.step(epoch + 1)
+        _evaluate_epoch(run, epoch, record, log)
+        record.update(epoch=epoch, step=run.num_updates, epoch_time=time.perf_counter() - start)
+        _save_epoch(run, epoch, record)
         log.log_epoch(record)
         epochs_run += 1
-        stop_reason = 'stop_after' if cfg.stop_after and epochs_run >= cfg.stop_after else None
-        if stopped or stop_reason:
-            stop_reason = stop_reason or stop_request.decided
-        if stop_reason and epoch + 1 < cfg.epochs:
-            stop_request.acknowledge()
-            log.info(f'stopping after epoch {epoch} ({stop_reason}); continue with --resume')
-            log.finish()
-            return {'stopped_at_epoch': epoch, 'batches_done': 0, 'step': point.num_updates, 'output': cfg.output}
+        if _stop_after_epoch(run, epoch, epochs_run, stopped, log):
+            return {'stopped_at_epoch': epoch, 'batches_done': 0, 'step': run.num_updates, 'output': cfg.output}
     stop_request.acknowledge()  # a stop asked for during the last epoch has nothing left to stop
-    return _finish(cfg, run, point, key_dim, log)
+    return _finish(run, key_dim, log)
 
 
-def _train_epoch(cfg: TrainConfig, run: RunParts, point: ResumePoint, epoch: int, log: RunLogger) -> Dict[str, Any]:
-    """One training pass (the rest of the epoch after a mid-epoch resume); ``point`` advances. A non-finite loss
+def _stop_after_epoch(run: Run, epoch: int, epochs_run: int, stopped: bool, log: RunLogger) -> bool:
+    """Whether to leave after ``epoch`` (``stop_after``, or a stop request answered at the epoch's end)."""
+    cfg, stop_request = run.cfg, run.step.stop_request
+    stop_reason = 'stop_after' if cfg.stop_after and epochs_run >= cfg.stop_after else None
+    if stopped or stop_reason:
+        stop_reason = stop_reason or stop_request.decided
+    if not (stop_reason and epoch + 1 < cfg.epochs):
+        return False
+    stop_request.acknowledge()
+    log.info(f'stopping after epoch {epoch} ({stop_reason}); continue with --resume')
+    log.finish()
+    return True
+
+
+def _train_epoch(run: Run, epoch: int, log: RunLogger) -> Dict[str, Any]:
+    """One training pass (the rest of the epoch after a mid-epoch resume); ``run`` advances. A non-finite loss
     becomes the run's one-line error."""
-    run.skipper.skip = point.batches_done * cfg.batch_size
+    cfg = run.cfg
+    run.skipper.skip = run.batches_done * cfg.batch_size
     if hasattr(run.train_loader.sampler, 'set_epoch'):
         run.train_loader.sampler.set_epoch(epoch)
     try:
-        record, point.num_updates = train_one_epoch(run.model, run.train_loader, run.step, epoch, point.num_updates)
+        record, run.num_updates = train_one_epoch(run.model, run.train_loader, run.step, epoch, run.num_updates)
     except NonFiniteLossError as e:
         hint = '' if cfg.skip_nonfinite_loss else ' (lower the lr, set clip_grad, or skip such batches with ' \
                                                   'skip_nonfinite_loss: true)'
-        raise NonFiniteLossError(f'{e}: training stopped; {_last_good(cfg.output, run.step.dist_info)}{hint}') \
-            from None
+        raise NonFiniteLossError(f'{e}: training stopped; {_last_good(cfg.output, run.dist_info)}{hint}') from None
     skipped = record.pop('nonfinite_skipped')
     if skipped:
         record['nonfinite_skipped'] = skipped
         log.info(f'warning: epoch {epoch}: skipped {skipped} batch(es) with a non-finite loss (skip_nonfinite_loss)')
     epoch_batches = run.skipper.skip // cfg.batch_size + len(run.train_loader)
-    point.batches_done += record.pop('batches')
-    if not (record['stopped'] and point.batches_done < epoch_batches):
-        point.batches_done = 0  # the epoch is complete
+    run.batches_done += record.pop('batches')
+    if not (record['stopped'] and run.batches_done < epoch_batches):
+        run.batches_done = 0  # the epoch is complete
     return record
 
 
-def _evaluate_epoch(cfg: TrainConfig, run: RunParts, point: ResumePoint, epoch: int, record: Dict[str, Any],
-                    bad_images: float, log: RunLogger) -> float:
-    """Evaluation (model and EMA) when due, unreadable-image counts, best top-1; returns the bad-image count."""
-    dist_info = run.step.dist_info
+def _evaluate_epoch(run: Run, epoch: int, record: Dict[str, Any], log: RunLogger) -> None:
+    """Evaluation (model and EMA) when due, unreadable-image counts, best top-1."""
+    cfg, dist_info, step = run.cfg, run.dist_info, run.step
     if epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0:
-        point.metrics = evaluate(run.model, run.val_loader, dist_info, run.val_samples, run.step.autocast)
-        record.update(top1=point.metrics['top1'], top5=point.metrics['top5'], val_loss=point.metrics['loss'],
-                      val_samples=point.metrics['num_samples'])
+        run.metrics = evaluate(run.model, run.val_loader, dist_info, run.val_samples, step.autocast)
+        record.update(top1=run.metrics['top1'], top5=run.metrics['top5'], val_loss=run.metrics['loss'],
+                      val_samples=run.metrics['num_samples'])
         if run.evaluate_ema:
-            ema = evaluate(run.step.model_ema.module, run.val_loader, dist_info, run.val_samples, run.step.autocast)
+            ema = evaluate(step.model_ema.module, run.val_loader, dist_info, run.val_samples, step.autocast)
             record.update(ema_top1=ema['top1'], ema_top5=ema['top5'], ema_val_loss=ema['loss'])
     if cfg.skip_bad_images:
-        counts = all_reduce_sum(torch.tensor([float(getattr(run.train_set, 'skipped', lambda: 0)()),
-                                              float(getattr(run.val_set, 'skipped', lambda: 0)())],
-                                             dtype=torch.float64, device=dist_info.device)).tolist()
-        if sum(counts) > bad_images:
-            log.info(f'warning: skipped {int(counts[0])} unreadable train and {int(counts[1])} val image(s) so far '
-                     f'(skip_bad_images)')
-        bad_images = sum(counts)
-        if bad_images:
-            record['bad_images_skipped'] = int(bad_images)
-    if 'top1' in record and record['top1'] > point.best_top1:
-        point.best_top1, point.best_epoch = record['top1'], epoch
-    return bad_images
+        _count_bad_images(run, record, log)
+    if 'top1' in record and record['top1'] > run.best_top1:
+        run.best_top1, run.best_epoch = record['top1'], epoch
 
 
-def _check_weights(cfg: TrainConfig, run: RunParts, when: str) -> None:
+def _count_bad_images(run: Run, record: Dict[str, Any], log: RunLogger) -> None:
+    """skip_bad_images: the unreadable images skipped so far over all ranks, warned about when there are new ones."""
+    sets = (run.train_loader.dataset, run.val_loader.dataset)
+    counts = all_reduce_sum(torch.tensor([float(getattr(s, 'skipped', lambda: 0)()) for s in sets],
+                                         dtype=torch.float64, device=run.dist_info.device)).tolist()
+    if sum(counts) > run.bad_images:
+        log.info(f'warning: skipped {int(counts[0])} unreadable train and {int(counts[1])} val image(s) so far '
+                 f'(skip_bad_images)')
+    run.bad_images = int(sum(counts))
+    if run.bad_images:
+        record['bad_images_skipped'] = run.bad_images
+
+
+def _check_weights(run: Run, when: str) -> None:
     """Never checkpoint or export NaN/inf weights (every rank holds the same weights, so all stop together)."""
     ema = run.step.model_ema
-    bad = nonfinite_weights(_unwrap(run.model), ema.module if ema is not None else None)
+    bad = nonfinite_weights(run.unwrapped, ema.module if ema is not None else None)
     if bad:
         raise NonFiniteLossError(f'non-finite weights ({", ".join(bad)}) {when}: not saved; '
-                                 f'{_last_good(cfg.output, run.step.dist_info)}')
+                                 f'{_last_good(run.cfg.output, run.dist_info)}')
 
 
-def _save_epoch(cfg: TrainConfig, run: RunParts, point: ResumePoint, epoch: int, record: Dict[str, Any]) -> None:
+def _save_epoch(run: Run, epoch: int, record: Dict[str, Any]) -> None:
     """last.pth is the commit point: written first; best/epoch files and the log record are re-derived from it
     by repair_run_dir when a kill falls between these writes."""
-    dist_info = run.step.dist_info
-    _check_weights(cfg, run, f'after epoch {epoch}')
-    rng_all = _gather_rng(dist_info, rng_state())
-    if dist_info.is_main:
-        state = checkpoint_state(cfg, run, point, epoch, rng_all, record)
+    cfg = run.cfg
+    _check_weights(run, f'after epoch {epoch}')
+    rng_all = gather_rng(rng_state())
+    if run.dist_info.is_main:
+        state = checkpoint_state(run, epoch, rng_all, record)
         save_checkpoint(state, os.path.join(cfg.output, 'last.pth'))
-        if point.best_epoch == epoch:
+        if run.best_epoch == epoch:
             save_checkpoint(state, os.path.join(cfg.output, 'best.pth'))
         if cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(state, os.path.join(cfg.output, f'epoch_{epoch:04d}.pth'))
 
 
-def _stop_inside_epoch(cfg: TrainConfig, run: RunParts, point: ResumePoint, epoch: int, epoch_rng: Dict[str, Any],
-                       record: Dict[str, Any], log: RunLogger, stop_request: StopRequest) -> Dict[str, Any]:
+def _stop_inside_epoch(run: Run, epoch: int, epoch_rng: Dict[str, Any], record: Dict[str, Any],
+                       log: RunLogger) -> Dict[str, Any]:
     """Checkpoint a stop inside ``epoch`` (its start RNG states and those at the stop) and leave."""
-    dist_info = run.step.dist_info
-    _check_weights(cfg, run, f'at the stop inside epoch {epoch}')
-    rng_at_start, rng_at_stop = _gather_rng(dist_info, epoch_rng), _gather_rng(dist_info, rng_state())
-    if dist_info.is_main:
-        state = checkpoint_state(cfg, run, point, epoch - 1, rng_at_start, record, point.batches_done)
+    cfg, stop_request = run.cfg, run.step.stop_request
+    _check_weights(run, f'at the stop inside epoch {epoch}')
+    rng_at_start, rng_at_stop = gather_rng(epoch_rng), gather_rng(rng_state())
+    if run.dist_info.is_main:
+        state = checkpoint_state(run, epoch - 1, rng_at_start, record, run.batches_done)
         save_checkpoint({**state, 'rng_at_stop': rng_at_stop, 'sample_order': SAMPLE_ORDER},
                         os.path.join(cfg.output, 'last.pth'))
     barrier()
     stop_request.acknowledge()
     log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} after batch '
-             f'{point.batches_done} (step {point.num_updates}); continue with --resume')
+             f'{run.batches_done} (step {run.num_updates}); continue with --resume')
     log.finish()
-    return {'stopped_at_epoch': epoch, 'batches_done': point.batches_done, 'step': point.num_updates,
+    return {'stopped_at_epoch': epoch, 'batches_done': run.batches_done, 'step': run.num_updates,
             'output': cfg.output}
 
 
-def _finish(cfg: TrainConfig, run: RunParts, point: ResumePoint, key_dim, log: RunLogger) -> Dict[str, Any]:
+def _finish(run: Run, key_dim, log: RunLogger) -> Dict[str, Any]:
     """Export the final weights (and EMA) as safetensors and print the summary."""
-    _check_weights(cfg, run, 'at the end of training')
-    model, ema, dist_info = _unwrap(run.model), run.step.model_ema, run.step.dist_info
-    summary = {'model': cfg.model, 'key_dim': key_dim, 'params': run.num_params, 'top1': point.metrics.get('top1'),
-               'top5': point.metrics.get('top5'), 'best_top1': point.best_top1, 'best_epoch': point.best_epoch,
-               'output': cfg.output, 'rank': dist_info.rank, 'weights_sha256': state_dict_sha256(model.state_dict())}
+    _check_weights(run, 'at the end of training')
+    cfg, model, ema, dist_info = run.cfg, run.unwrapped, run.step.model_ema, run.dist_info
+    summary = {'model': cfg.model, 'key_dim': key_dim, 'params': sum(p.numel() for p in model.parameters()),
+               'top1': run.metrics.get('top1'), 'top5': run.metrics.get('top5'), 'best_top1': run.best_top1,
+               'best_epoch': run.best_epoch, 'output': cfg.output, 'rank': dist_info.rank,
+               'weights_sha256': state_dict_sha256(model.state_dict())}
     if ema is not None:
         summary['ema_sha256'] = state_dict_sha256(ema.module.state_dict())
     if dist_info.is_main:
-        extra = {'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in run.data_cfg.items()},
-                 'metrics': {k: summary[k] for k in ('top1', 'top5')}}
+        extra = {'data_config': plain(run.data_cfg), 'metrics': {k: summary[k] for k in ('top1', 'top5')}}
         export_safetensors(model.state_dict(), os.path.join(cfg.output, 'model.safetensors'), cfg.model,
                            run.model_kwargs, extra)
         if ema is not None:
@@ -352,8 +349,6 @@ def format_summary(s: Dict[str, Any]) -> str:
 def main(argv: Optional[list] = None) -> int:
     """Console entry: ``train.py -c CONFIG [--key value ...]``. Config, data and weights errors are one line, exit 2;
     a run stopped by a non-finite loss or a failed write (a full disk) is one line, exit 1."""
-    import sys
-    from .flags import parse_train_args
     try:
         cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
         train(cfg)
@@ -364,3 +359,70 @@ def main(argv: Optional[list] = None) -> int:
         print(f'error: {one_line(e)}', file=sys.stderr)
         return 1
     return 0
+
+
+def _wandb_online() -> bool:
+    """True when an API key is set and the wandb server answers within two seconds."""
+    if not os.environ.get('WANDB_API_KEY'):
+        return False
+    try:
+        socket.create_connection(('api.wandb.ai', 443), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+class RunLogger:
+    """Writes epoch records to ``<output>/log.jsonl`` and stdout (and wandb when enabled); silent off rank 0."""
+
+    def __init__(self, output: str, enabled: bool, config: Dict[str, Any], use_wandb: bool = False,
+                 project: str = 'collab-vit', name: str = '', resume: bool = False) -> None:
+        self.enabled = enabled
+        self.path = os.path.join(output, 'log.jsonl')
+        self.wandb = None
+        if enabled and use_wandb:
+            self.wandb = self._init_wandb(output, config, project, name or os.path.basename(output), resume)
+
+    @staticmethod
+    def _init_wandb(output: str, config: Dict[str, Any], project: str, name: str, resume: bool):
+        mode = os.environ.get('WANDB_MODE') or ('online' if _wandb_online() else 'offline')
+        try:
+            import wandb
+            return wandb.init(project=project, name=name, config=config, dir=output, mode=mode,
+                              resume='allow' if resume else None, settings=wandb.Settings(init_timeout=30))
+        except Exception as e:  # never let logging take a run down
+            print(f'warning: wandb disabled ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""})',
+                  file=sys.stderr)
+            return None
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+    def log_epoch(self, record: Dict[str, Any]) -> None:
+        """Append one epoch record and print its summary line."""
+        if not self.enabled:
+            return
+        append_line(self.path, json.dumps(record))
+        parts = [f"epoch {record['epoch']:>3d}", f"loss {record['train_loss']:.4f}", f"lr {record['lr']:.2e}",
+                 f"{record['img_per_s']:.0f} img/s"]
+        if 'top1' in record:
+            parts += [f"top-1 {record['top1']:.2f}", f"top-5 {record['top5']:.2f}"]
+        if 'ema_top1' in record:
+            parts.append(f"ema top-1 {record['ema_top1']:.2f}")
+        parts.append(f"{record['epoch_time']:.1f}s")
+        print(' | '.join(parts), flush=True)
+        if self.wandb is not None:
+            try:
+                self.wandb.log(record, step=record['epoch'])
+            except Exception:
+                pass
+
+    def finish(self, summary: Optional[Dict[str, Any]] = None) -> None:
+        if self.wandb is not None:
+            try:
+                if summary:
+                    self.wandb.summary.update(summary)
+                self.wandb.finish()
+            except Exception:
+                pass

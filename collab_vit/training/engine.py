@@ -1,4 +1,5 @@
-"""One training epoch and one evaluation pass (the two loops; everything else is assembled in ``trainer``).
+"""The engine: one training epoch and one evaluation pass (as DeiT's engine.py; the run around them is
+:mod:`.trainer`'s, its parts are built in :mod:`.build`).
 
 What is synchronised when (a sync: a device-to-host read in this code, or a blocking collective):
 
@@ -22,7 +23,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
-from .preemption import StopRequest
+
+if TYPE_CHECKING:
+    from .checkpoint import StopRequest
 
 
 class NonFiniteLossError(RuntimeError):
@@ -136,6 +139,41 @@ def _after_update(model, parts: StepParts, num_updates: int) -> None:
         parts.scheduler.step_update(num_updates=num_updates)
 
 
+class _Skips:
+    """Batches skipped for a non-finite loss (``skip_nonfinite``): in the pass, in a row, and whether the current
+    accumulation window has one (it then makes no update)."""
+
+    def __init__(self) -> None:
+        self.total = self.in_a_row = 0
+        self.in_window = False
+
+
+def _forward_backward(model, images: torch.Tensor, targets: torch.Tensor, parts: StepParts, window: int,
+                      need_update: bool, skips: _Skips) -> Optional[torch.Tensor]:
+    """The loss of one batch, its backward pass and, at the end of a window, the optimizer step; None when the batch
+    is skipped for a non-finite loss (``skip_nonfinite``: checked at once, a read per batch)."""
+    with (contextlib.nullcontext() if need_update or not hasattr(model, 'no_sync') else model.no_sync()):
+        with parts.autocast():
+            loss = parts.loss_fn(model(images), targets)
+        if parts.skip_nonfinite and _nonfinite_on_any_rank(loss, parts.dist_info.device):
+            skips.total, skips.in_a_row, skips.in_window = skips.total + 1, skips.in_a_row + 1, True
+            return None
+        skips.in_a_row = 0
+        _backward_and_step(model, loss, parts, window, need_update and not skips.in_window)
+        return loss
+
+
+def _end_window(model, parts: StepParts, skips: _Skips, num_updates: int) -> bool:
+    """At the end of a window: the update's follow-up (EMA, schedule), or, when the window had a skipped batch, its
+    other gradients dropped with it. Returns whether an update was made."""
+    updated, skips.in_window = not skips.in_window, False
+    if updated:
+        _after_update(model, parts, num_updates + 1)
+    else:
+        parts.optimizer.zero_grad(set_to_none=True)
+    return updated
+
+
 def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int,
                     num_updates: int) -> tuple[Dict[str, Any], int]:
     """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far).
@@ -152,9 +190,9 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
     model.train()
     dist_info, accum = parts.dist_info, parts.accum_steps
     device, num_batches = dist_info.device, len(loader)
-    tally = DeviceTally(device)
-    samples = batches = skipped = in_a_row = 0
-    window_skipped, totals, read_at, i = False, None, None, -1
+    tally, skips = DeviceTally(device), _Skips()
+    samples = batches = 0
+    totals, read_at, i = None, None, -1
     start = time.perf_counter()
     show = parts.progress and dist_info.is_main
     lines = show and not on_terminal()
@@ -167,30 +205,20 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
             images, targets = parts.mixup_fn(images, targets)
         window = min(accum, num_batches - i // accum * accum)  # the last window of a pass may be short
         need_update = (i + 1) % accum == 0 or i + 1 == num_batches
-        with (contextlib.nullcontext() if need_update or not hasattr(model, 'no_sync') else model.no_sync()):
-            with parts.autocast():
-                loss = parts.loss_fn(model(images), targets)
-            if parts.skip_nonfinite and _nonfinite_on_any_rank(loss, device):  # opt-in: a read per batch
-                skipped, in_a_row, window_skipped = skipped + 1, in_a_row + 1, True
-                if in_a_row > parts.max_nonfinite_skips:
-                    bar.close()
-                    raise NonFiniteLossError(
-                        f'{in_a_row} batches in a row with a non-finite loss, the last at epoch {epoch}, update '
-                        f'{num_updates + 1} (batch {i + 1} of {num_batches} in this pass) (max_nonfinite_skips '
-                        f'{parts.max_nonfinite_skips})')
-            else:
-                in_a_row = 0
-                _backward_and_step(model, loss, parts, window, need_update and not window_skipped)
-                tally.add(loss, images.shape[0], num_updates + 1, i + 1)
+        loss = _forward_backward(model, images, targets, parts, window, need_update, skips)
+        if loss is not None:
+            tally.add(loss, images.shape[0], num_updates + 1, i + 1)
+        elif skips.in_a_row > parts.max_nonfinite_skips:
+            bar.close()
+            raise NonFiniteLossError(
+                f'{skips.in_a_row} batches in a row with a non-finite loss, the last at epoch {epoch}, update '
+                f'{num_updates + 1} (batch {i + 1} of {num_batches} in this pass) (max_nonfinite_skips '
+                f'{parts.max_nonfinite_skips})')
         samples, batches = samples + images.shape[0], batches + 1
         if not need_update:
             continue
-        updated, window_skipped = not window_skipped, False
-        if updated:
-            num_updates += 1
-            _after_update(model, parts, num_updates)
-        else:
-            parts.optimizer.zero_grad(set_to_none=True)  # the window's other gradients are dropped with it
+        updated = _end_window(model, parts, skips, num_updates)
+        num_updates += int(updated)
         stop_here = parts.stop_request is not None and parts.stop_request.requested()
         at_interval = updated and num_updates % max(parts.log_interval, 1) == 0
         if at_interval or i + 1 == num_batches or (stop_here and not dist_info.distributed):
@@ -209,7 +237,7 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
     metrics = {'train_loss': totals['loss_sum'] / max(totals['count'], 1),
                'lr': parts.optimizer.param_groups[0]['lr'], 'img_per_s': totals['samples'] / elapsed,
                'train_time': elapsed, 'batches': batches, 'stopped': bool(totals['stop']),
-               'nonfinite_skipped': skipped}
+               'nonfinite_skipped': skips.total}
     return metrics, num_updates
 
 

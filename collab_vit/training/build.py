@@ -1,0 +1,340 @@
+"""Building a run from its :class:`~.config.TrainConfig`: the model (timm's registry with ours registered; weights
+converted on load), the optimizer, the EMA, loss, schedule and loaders, gathered in :class:`Run`, the one state object
+the trainer carries. :func:`build_model` and :func:`fit_state` serve evaluation too.
+
+The optimizer is timm's ``create_optimizer_v2`` with its param groups and an lr multiplier for the mixing matrices.
+Why a multiplier (``docs/math.md``, "A learning rate for the mixing"): under Adam(W) every parameter moves by about
+the learning rate per update, whatever its scale. The mixing entries start at order one (concatenate init: 1;
+random init: std ``sqrt(head_dim / key_dim)``) while the shared projections start at timm's std 0.02, so at one lr
+the projections are rewritten while the mixing barely leaves its init. ``mixing_lr_scale`` multiplies the lr of
+every ``*.mixing`` parameter through the param group's ``lr_scale``, which timm's schedulers honour and which
+composes with ``layer_decay`` (the layer's own scale times this one). 1.0 (the default) leaves timm's groups as they
+are.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import timm
+import torch
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.models import parse_model_name
+from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3, NativeScaler
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
+from ..conversion.pretrained import collab_filter_fn, conversion
+from ..layers.attention import CollaborativeAttention
+from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
+from .config import ConfigError, DataError, TrainConfig
+from .data import (SkipFirstSampler, build_dataset, build_eval_loader, build_mixup, build_train_loader,
+                   check_classes, eval_data_config, eval_shard_size, make_skippable)
+from .distributed import DistInfo, barrier
+from .engine import StepParts, autocast_context
+
+
+@dataclass
+class Run:
+    """One training run: what it trains with (built by :func:`assemble`) and where it stands (advanced by the
+    trainer's epoch loop, saved in every checkpoint, restored by :func:`~.checkpoint.restore`)."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module  # DDP-wrapped when distributed
+    step: StepParts  # what one training pass uses: optimizer, schedule, loss, EMA, loss scaler, stop request
+    train_loader: Any
+    val_loader: Any
+    skipper: SkipFirstSampler  # the training loader's sampler: a mid-epoch resume skips the batches trained
+    val_samples: Optional[int]  # real samples of this rank's eval shard; None: the loader yields each once
+    data_cfg: Dict[str, Any]  # the evaluation pipeline (recorded in checkpoints and exports)
+    model_kwargs: Dict[str, Any]  # as recorded in checkpoints and exports
+    updates_per_epoch: int
+    evaluate_ema: bool  # see ema_evaluable
+    # where the run stands
+    start_epoch: int = 0  # the first epoch this invocation trains
+    num_updates: int = 0  # optimizer updates so far
+    batches_done: int = 0  # > 0: batches of the current epoch already trained (a stop inside it)
+    best_top1: float = -1.0
+    best_epoch: int = -1
+    metrics: Dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    bad_images: int = 0  # unreadable images skipped so far, over all ranks (skip_bad_images)
+
+    @property
+    def dist_info(self) -> DistInfo:
+        return self.step.dist_info
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The model without its DDP wrapper."""
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+
+def scaled_lr(cfg: TrainConfig, world_size: int) -> Tuple[int, float]:
+    """The global batch and the lr for it (``lr`` is given at ``lr_base_batch``, scaled linearly)."""
+    global_batch = cfg.batch_size * world_size * cfg.accum_steps
+    return global_batch, cfg.lr * global_batch / cfg.lr_base_batch
+
+
+def ema_evaluable(model_ema: Optional[ModelEmaV3], device: torch.device) -> bool:
+    """Whether the EMA can be evaluated on the training device's batches during training.
+
+    As timm's train.py (``model_ema_force_cpu``): an EMA kept on another device than the model (the CPU, beside a
+    GPU model) is not evaluated during training; its weights are still checkpointed and exported.
+    """
+    if model_ema is None:
+        return False
+    ema_device = next(model_ema.module.parameters()).device
+    return ema_device.type == device.type and (ema_device.index or 0) == (device.index or 0)
+
+
+def _model(cfg: TrainConfig):
+    """The model (at its init) and the keywords checkpoints record."""
+    model_kwargs = {**cfg.model_kwargs, 'img_size': cfg.img_size, 'num_classes': cfg.num_classes}
+    if cfg.in_chans != 3:
+        model_kwargs['in_chans'] = cfg.in_chans
+    model = build_model(cfg.model, cfg.num_classes, cfg.img_size, cfg.drop_path,
+                        {k: v for k, v in model_kwargs.items() if k not in ('img_size', 'num_classes')})
+    return model, model_kwargs
+
+
+def _load_start_weights(model: torch.nn.Module, cfg: TrainConfig, ckpt: Optional[Dict[str, Any]],
+                        ckpt_path: str) -> None:
+    """``ckpt``'s weights when resuming, else those of ``cfg.checkpoint`` (fine-tuning), else none (the init)."""
+    if ckpt is not None:
+        model.load_state_dict(fit_state(model, ckpt['model'], ckpt_path), strict=True)
+    elif cfg.checkpoint:
+        load_weights(model, cfg.checkpoint, allow_new_head=True,
+                     conversion_method=cfg.model_kwargs.get('conversion_method', 'tucker'))
+
+
+def _datasets(cfg: TrainConfig, dist_info: DistInfo):
+    """Train and val sets (the digits set is written once, by rank 0, into an empty or new directory only)."""
+    if cfg.dataset == 'sklearn/digits' and dist_info.is_main:
+        build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, is_training=True)
+    barrier()
+    train_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.train_split, True, cfg.batch_size, cfg.seed,
+                              download=cfg.dataset_download, skip_bad_images=cfg.skip_bad_images)
+    val_set = build_dataset(cfg.dataset, cfg.data_dir, cfg.val_split, False, cfg.batch_size, cfg.seed,
+                            download=cfg.dataset_download, skip_bad_images=cfg.skip_bad_images)
+    check_classes(train_set, val_set, cfg.data_dir, cfg.num_classes)
+    return train_set, val_set
+
+
+def _train_loss(cfg: TrainConfig, mixup) -> torch.nn.Module:
+    if mixup is not None:
+        return SoftTargetCrossEntropy()
+    if cfg.smoothing > 0:
+        return LabelSmoothingCrossEntropy(smoothing=cfg.smoothing)
+    return torch.nn.CrossEntropyLoss()
+
+
+def _optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """timm's groups: no decay for 1-D params and model.no_weight_decay() (which names the mixing matrices)."""
+    opt_kwargs = {} if cfg.opt.lower().endswith(('sgd', 'momentum')) else {'eps': cfg.opt_eps}
+    return build_optimizer(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                           layer_decay=cfg.layer_decay or None, mixing_lr_scale=cfg.mixing_lr_scale, **opt_kwargs)
+
+
+def _wrap(cfg: TrainConfig, model: torch.nn.Module, dist_info: DistInfo, ckpt: Optional[Dict[str, Any]],
+          ckpt_path: str) -> Tuple[torch.nn.Module, Optional[ModelEmaV3]]:
+    """DDP (which broadcasts rank 0's weights and buffers: every rank then trains from them), then the EMA, from the
+    weights each rank trains (with ``ckpt``'s EMA weights when resuming)."""
+    if dist_info.distributed:
+        device = dist_info.device
+        model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if device.type == 'cuda' else None)
+    if not cfg.model_ema:
+        return model, None
+    inner = model.module if dist_info.distributed else model
+    model_ema = ModelEmaV3(inner, decay=cfg.model_ema_decay, device='cpu' if cfg.model_ema_force_cpu else None)
+    if ckpt is not None and ckpt.get('model_ema') is not None:
+        ema = model_ema.module
+        ema.load_state_dict(fit_state(ema, ckpt['model_ema'], ckpt_path + ' (EMA)'))
+    return model, model_ema
+
+
+def _step_parts(cfg: TrainConfig, dist_info: DistInfo, optimizer, mixup, model_ema, stop_request) -> StepParts:
+    device, prefetch = dist_info.device, dist_info.device.type == 'cuda'
+    use_fp16 = cfg.amp and device.type == 'cuda' and cfg.amp_dtype in ('float16', 'fp16')
+    return StepParts(
+        optimizer=optimizer, loss_fn=_train_loss(cfg, mixup), dist_info=dist_info, scheduler=None,
+        sched_on_updates=cfg.sched_on_updates, accum_steps=cfg.accum_steps, clip_grad=cfg.clip_grad,
+        clip_mode=cfg.clip_mode, mixup_fn=None if prefetch else mixup,
+        autocast=autocast_context(device, cfg.amp, cfg.amp_dtype),
+        loss_scaler=NativeScaler(device='cuda') if use_fp16 else None, model_ema=model_ema,
+        stop_request=stop_request, progress=cfg.progress, log_interval=cfg.log_interval,
+        skip_nonfinite=cfg.skip_nonfinite_loss, max_nonfinite_skips=cfg.max_nonfinite_skips)
+
+
+def assemble(cfg: TrainConfig, dist_info: DistInfo, ckpt: Optional[Dict[str, Any]], ckpt_path: str,
+             stop_request) -> Run:
+    """Build every part of the run; with ``ckpt`` the model and EMA get its weights (the rest is restored by
+    :func:`~.checkpoint.restore`)."""
+    model, model_kwargs = _model(cfg)
+    train_set, val_set = _datasets(cfg, dist_info)
+    _load_start_weights(model, cfg, ckpt, ckpt_path)
+    model.to(dist_info.device)
+    data_cfg = eval_data_config(cfg.img_size, cfg.crop_pct, model, cfg.in_chans, cfg.mean, cfg.std)
+    optimizer = _optimizer(cfg, model, scaled_lr(cfg, dist_info.world_size)[1])
+    model, model_ema = _wrap(cfg, model, dist_info, ckpt, ckpt_path)
+    prefetch = dist_info.device.type == 'cuda'  # timm's GPU prefetcher path mixes in the collate function
+    mixup = build_mixup(cfg, fast=prefetch)
+    train_loader = build_train_loader(cfg, train_set, data_cfg, dist_info, collate_fn=mixup if prefetch else None)
+    skipper = make_skippable(train_loader)
+    val_loader = build_eval_loader(val_set, data_cfg, cfg.batch_size, cfg.num_workers, dist_info, cfg.pin_memory)
+    if len(train_loader) == 0:
+        raise DataError(f'{len(train_set)} training images in {os.path.abspath(cfg.data_dir)} make no full batch of '
+                        f'{cfg.batch_size} per process on {dist_info.world_size} process(es)')
+    updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
+    step = _step_parts(cfg, dist_info, optimizer, mixup, model_ema, stop_request)
+    step.scheduler, _ = create_scheduler_v2(
+        optimizer, sched=cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
+        warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=updates_per_epoch)
+    val_samples = eval_shard_size(val_set, dist_info, cfg.num_workers)
+    return Run(cfg, model, step, train_loader, val_loader, skipper, val_samples, data_cfg, model_kwargs,
+               updates_per_epoch, ema_evaluable(model_ema, dist_info.device))
+
+
+_logger = logging.getLogger(__name__)
+
+
+def _has_source(name: str) -> bool:
+    """``local-dir:DIR`` or ``hf-hub:ID``: timm reads the architecture from the folder's or repository's config."""
+    try:
+        return parse_model_name(name)[0] is not None
+    except ValueError:  # a path without a source prefix, or an unknown prefix
+        return False
+
+
+def build_model(name: str, num_classes: int, img_size: Optional[int] = None, drop_path: float = 0.0,
+                model_kwargs: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """``timm.create_model`` with our models registered; ``img_size=None`` keeps the model's default.
+
+    ``local-dir:DIR`` (a ``collab_vit.save_pretrained`` folder) and ``hf-hub:ID`` names are timm's: the architecture
+    and keywords its ``config.json`` records (the weights are loaded separately, e.g. ``--checkpoint DIR``).
+
+    An unknown model name, a keyword the model does not take, or a value it rejects (``key_dim`` <= 0, a per-block
+    list of the wrong length, ...) is a one-line ConfigError.
+    """
+    kwargs = dict(model_kwargs or {})
+    if img_size is not None:
+        kwargs['img_size'] = img_size
+    if drop_path:
+        kwargs['drop_path_rate'] = drop_path
+    if not timm.is_model(name) and not _has_source(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=1)
+        raise ConfigError(f"unknown model '{name}'" + (f"; did you mean '{close[0]}'?" if close else ''))
+    try:
+        return timm.create_model(name, num_classes=num_classes, **kwargs)
+    except TypeError as e:
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if unknown is None:
+            raise
+        raise ConfigError(f"model '{name}' does not take the keyword '{unknown.group(1)}' (model_kwargs)") from None
+    except ValueError as e:
+        raise ConfigError(f"bad model_kwargs for '{name}': {str(e).strip().splitlines()[0]}") from None
+
+
+def source_weights_pipeline(name: str, model: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """For standard-attention weights converted on load into ``name``: the evaluation pipeline of the weights its
+    registered pretrained tag converts (``collab_deit_*.fb_in1k``: timm's cfg of its DeiT weights), at the model's
+    input size; None where the name has no such tag (the model's own cfg then applies)."""
+    try:
+        cfg = timm.models.get_pretrained_cfg(name)
+    except (RuntimeError, ValueError):
+        return None
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        return None
+    return model_pipeline(model, cfg.to_dict())
+
+
+def is_standard_attention_state(state: Dict[str, torch.Tensor]) -> bool:
+    """True for weights of timm's standard ``Attention`` (a fused ``qkv`` projection), e.g. a DeiT release."""
+    return any(k.endswith('attn.qkv.weight') for k in state)
+
+
+def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: str, allow_new_head: bool = False,
+              conversion_method: str = 'tucker') -> Dict[str, torch.Tensor]:
+    """``state`` made ready for ``model.load_state_dict``, or a WeightsError listing what does not fit.
+
+    Standard-attention weights (a timm/DeiT ``.pth``) for a collaborative model are converted exactly as
+    ``pretrained=True`` converts them (``collab_vit.conversion.pretrained.collab_filter_fn``: timm's ViT filter, then
+    the re-parametrisation of section 3.3 at the model's key dims). With ``allow_new_head`` a classifier of another
+    size (fine-tuning to a new dataset) is left at its init.
+    """
+    collaborative = any(isinstance(m, CollaborativeAttention) for m in model.modules())
+    if collaborative and is_standard_attention_state(state):
+        _logger.info('converting the standard attention weights in %s to collaborative (%s)', source,
+                     conversion_method)
+        try:
+            with conversion(conversion_method):
+                state = collab_filter_fn(dict(state), model)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise WeightsError(f'cannot convert the standard attention weights in {source} for this model '
+                               f'({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); '
+                               f'convert them first with `collab-vit convert`') from None
+    own = model.state_dict()
+    if allow_new_head:
+        for key in list(state):
+            if key.startswith('head.') and key in own and state[key].shape != own[key].shape:
+                _logger.warning('not loading %s: shape %s, model has %s', key, tuple(state[key].shape),
+                                tuple(own[key].shape))
+                del state[key]
+    check_fit(own, state, source, ignore_missing=('head.',) if allow_new_head else ())
+    return state
+
+
+def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False, allow_new_head: bool = False,
+                 conversion_method: str = 'tucker') -> Dict:
+    """Load weights from our checkpoint, a ``.safetensors`` export or a timm/DeiT ``.pth`` into ``model``.
+
+    See :func:`fit_state`; a file that does not fit is a WeightsError naming the mismatched keys and shapes.
+    Returns the file's metadata.
+    """
+    state, meta = read_weights(path, use_ema=use_ema)
+    model.load_state_dict(fit_state(model, state, path, allow_new_head, conversion_method), strict=False)
+    return meta
+
+
+def mixing_param_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float | None,
+                        mixing_lr_scale: float) -> list[dict]:
+    """timm's param groups (weight decay, optional layer decay), each split into its mixing and other parameters;
+    the mixing part gets ``lr_scale`` times ``mixing_lr_scale``."""
+    no_decay = set(model.no_weight_decay()) if hasattr(model, 'no_weight_decay') else set()
+    if layer_decay:
+        groups = param_groups_layer_decay(model, weight_decay=weight_decay, no_weight_decay_list=no_decay,
+                                          layer_decay=layer_decay)
+    else:
+        groups = param_groups_weight_decay(model, weight_decay=weight_decay, no_weight_decay_list=no_decay)
+    mixing_ids = {id(p) for name, p in model.named_parameters() if name.endswith('.mixing')}
+    split = []
+    for group in groups:
+        params = list(group['params'])
+        for is_mixing in (False, True):
+            part = [p for p in params if (id(p) in mixing_ids) == is_mixing]
+            if not part:
+                continue
+            new = {**group, 'params': part}
+            if is_mixing:
+                new['lr_scale'] = group.get('lr_scale', 1.0) * mixing_lr_scale
+            split.append(new)
+    return split
+
+
+def build_optimizer(model: torch.nn.Module, opt: str, lr: float, weight_decay: float, momentum: float,
+                    layer_decay: float | None, mixing_lr_scale: float = 1.0, **opt_kwargs) -> torch.optim.Optimizer:
+    """``create_optimizer_v2`` on the model (timm's own groups) or, with ``mixing_lr_scale != 1``, on
+    ``mixing_param_groups``."""
+    if mixing_lr_scale <= 0:
+        raise ValueError(f'mixing_lr_scale must be positive, got {mixing_lr_scale}')
+    if mixing_lr_scale == 1.0:
+        return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                   layer_decay=layer_decay, **opt_kwargs)
+    groups = mixing_param_groups(model, weight_decay, layer_decay, mixing_lr_scale)
+    return create_optimizer_v2(groups, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum, **opt_kwargs)
