@@ -93,7 +93,9 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast computes matmuls in on x's device, or x's own dtype outside autocast (or on a device
     autocast does not know, such as ``meta``)."""
     device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    # torch.compile traces real devices; torch 2.9's tracer refuses is_autocast_available (fullgraph graph break)
+    known = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device)
+    if known and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
 
