@@ -5,8 +5,8 @@ Every hyperparameter is a field of :class:`TrainConfig`, with its default and it
 subset of them and may inherit from another file through ``base: relative/path.yaml``; overrides replace the result,
 typed from the field's default. On the command line (:func:`parse_train_args`: ``-c CONFIG`` and ``--help`` grouped
 like timm's train.py) every key is a flag, ``--key-name`` or ``--key_name``; booleans also take ``--no-key-name``;
-``--model-kwargs a=1 b=2`` fills a dict; timm's spellings are accepted for the same meaning (``ALIASES``; docs/training.md
-has the table). An unknown key anywhere is a :class:`ConfigError` that names it and the closest valid key.
+``--model-kwargs a=1 b=2`` fills a dict; timm's spellings are accepted for the same meaning (``ALIASES``;
+docs/training.md has the table). An unknown key anywhere is a :class:`ConfigError` that names it and the closest valid key.
 """
 from __future__ import annotations
 
