@@ -259,7 +259,7 @@ def test_two_processes_agree_on_a_stop_at_the_next_read(ddp_run, tmp_path):
 
 
 def test_train_loader_on_a_torch_without_in_order(tiny_data, tmp_path, monkeypatch):
-    """pyproject allows torch >= 2.4; DataLoader's ``in_order`` exists from 2.6: the single-process loader, rebuilt
+    """DataLoader's ``in_order`` exists from torch 2.6 (below the floor now: a follow-up removes this): the single-process loader, rebuilt
     with the epoch-seeded sampler, copies it only where it exists (here removed, as on torch < 2.6)."""
     from collab_vit.training import data
     from collab_vit.training.data import EpochSeededSampler

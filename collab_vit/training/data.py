@@ -321,7 +321,7 @@ def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist
 
 
 def _in_order(loader: torch.utils.data.DataLoader) -> Dict[str, Any]:
-    """DataLoader's ``in_order`` (torch >= 2.6) when this torch has it: the floor in pyproject.toml is older."""
+    """DataLoader's ``in_order`` (torch >= 2.6) when this torch has it (a shim from an older floor; today's is 2.9)."""
     return {'in_order': loader.in_order} if hasattr(loader, 'in_order') else {}
 
 
