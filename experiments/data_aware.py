@@ -65,8 +65,8 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
     layer (exactly a standard layer with key_dim / heads q/k dims per head, content bias exact)."""
     layers = timm_attention_layers(model)
     if calibration is not None:
-        moments, _, _ = source_tokens(model.eval(), layers, calibration, calibration.shape[0], 256)
-    _, held_tokens, _ = source_tokens(model.eval(), layers, held, 0, 256)
+        moments, _, _, _ = source_tokens(model.eval(), layers, calibration, calibration.shape[0], 256)
+    _, held_tokens, _, _ = source_tokens(model.eval(), layers, held, 0, 256)
     rows = []
     for index, (name, attn) in enumerate(layers):
         wq, wk = (w.double() for w in split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads))
@@ -102,7 +102,7 @@ def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: to
     ||centre(logits)||^2), rows centred over the keys (softmax ignores row constants; docs/math.md), float64, the
     source's logits from its exact collaborative form; mean over layers."""
     layers = timm_attention_layers(source)
-    _, tokens, _ = source_tokens(source.eval(), layers, held, 0, 256)
+    _, tokens, _, _ = source_tokens(source.eval(), layers, held, 0, 256)
     errors = []
     for (name, attn), x in zip(layers, tokens):
         wq, wk = split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads)

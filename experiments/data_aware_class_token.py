@@ -32,7 +32,7 @@ from collab_vit.conversion.reparam import convert_model, probe_input_size, timm_
 @torch.no_grad()
 def row_errors(model: torch.nn.Module, source: torch.nn.Module, held: torch.Tensor) -> list[dict]:
     layers = timm_attention_layers(source)
-    _, tokens, _ = capture.source_tokens(source.eval(), layers, held, 0, 64)
+    _, tokens, _, _ = capture.source_tokens(source.eval(), layers, held, 0, 64)
     rows = []
     for (name, attn), x in zip(layers, tokens):
         ref, out = attn(x), model.get_submodule(name)(x)

@@ -52,12 +52,12 @@ def test_amp_capture_keeps_the_tokens_within_bfloat16_round_off() -> None:
     model = tiny_deit()
     layers = timm_attention_layers(model)
     x = images(10)
-    _, ref, _ = source_tokens(model.double(), layers, x.double(), 6, 4)
+    _, ref, _, _ = source_tokens(model.double(), layers, x.double(), 6, 4)
     model.float()
     reports = convert(copy.deepcopy(model), 3, x, "fast", holdout=4, amp=True)
     assert reports.summary["amp"] is True
     with torch.autocast("cpu", torch.bfloat16):
-        _, held, _ = source_tokens(model, layers, x, 6, 4)
+        _, held, _, _ = source_tokens(model, layers, x, 6, 4)
     bound = vit_chain(24, 2, 17, 3 * 4 * 4)
     for got, want in zip(held, ref):
         assert got.dtype == torch.float32

@@ -44,8 +44,9 @@ def new_moments(model: nn.Module, attn: Attention) -> TokenMoments:
 
 @torch.no_grad()
 def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: Tensor, fit: int,
-                  batch_size: int) -> tuple[list[TokenMoments], list[Tensor], int]:
-    """Moments of the first ``fit`` images' tokens per layer, the held-out images' tokens per layer, peak bytes held.
+                  batch_size: int) -> tuple[list[TokenMoments], list[Tensor], int, Tensor]:
+    """Moments of the first ``fit`` images' tokens per layer, the held-out images' tokens per layer, peak bytes held,
+    and the model's outputs on all ``images`` (the same forward passes).
 
     The peak counts the stored held-out tokens (the moments are D x D per layer).
     """
@@ -66,11 +67,12 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
     handles = [attn.register_forward_pre_hook(hook(i)) for i, (_, attn) in enumerate(layers)]
     try:
         device = next(model.parameters()).device
+        outputs = []
         for chunk in images.split(batch_size):
-            model(chunk.to(device))
+            outputs.append(model(chunk.to(device)))
             start[0] += chunk.shape[0]
     finally:
         for handle in handles:
             handle.remove()
     tokens = [torch.cat(h) if h else None for h in held]
-    return moments, tokens, sum(_bytes(t) for t in tokens if t is not None)
+    return moments, tokens, sum(_bytes(t) for t in tokens if t is not None), torch.cat(outputs)

@@ -109,9 +109,11 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     start = time.perf_counter()
     device_type = next(model.parameters()).device.type
     with torch.autocast(device_type, torch.bfloat16, enabled=recipe.amp):
-        moments, held, peak = source_tokens(model, layers, images, fit, recipe.batch_size)
-    targets = model_outputs(model, images[:fit], recipe.batch_size)
-    held_target = F.log_softmax(model_outputs(model, held_images, recipe.batch_size).float(), dim=-1)
+        moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size)
+    if recipe.amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
+        outputs = model_outputs(model, images, recipe.batch_size)
+    targets = outputs[:fit]
+    held_target = F.log_softmax((outputs[fit:] if fit < images.shape[0] else outputs).float(), dim=-1)
     captured = time.perf_counter() - start
     options = dict(seed=seed, **recipe.decomposition)
     patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
@@ -175,7 +177,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     summary = {
         "images_fit": fit, "images_held_out": images.shape[0] - fit,
         "measured_on": "held-out calibration images" if fit < images.shape[0] else "the fitting images (one image)",
-        "key_dims_from": dims_from if dims_from == "given" else f"{dims_from} (whitened spectra)", "effort": effort, "prefix_weight": weight, "ridge": recipe.ridge, "amp": recipe.amp,
+        "key_dims_from": dims_from if dims_from == "given" else f"{dims_from} (whitened spectra)", "effort": effort,
+        "prefix_weight": weight, "ridge": recipe.ridge, "amp": recipe.amp,
         "peak_token_bytes": peak, "capture_seconds": captured, "refine_steps": steps if refined else 0,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
         "held_out_kl": best.held_kl,

@@ -203,7 +203,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
     device = next(model.parameters()).device
     was_training = model.training
     try:
-        _, held, _ = source_tokens(model.eval(), layers, probe.to(device), 0, probe.shape[0])
+        _, held, _, _ = source_tokens(model.eval(), layers, probe.to(device), 0, probe.shape[0])
     finally:
         model.train(was_training)
     reports = []

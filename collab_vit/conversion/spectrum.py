@@ -89,7 +89,7 @@ def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: fl
     moments = None
     if calibration is not None:
         was_training = model.training
-        moments, _, _ = source_tokens(model.eval(), layers, calibration, calibration.shape[0], 64)
+        moments, _, _, _ = source_tokens(model.eval(), layers, calibration, calibration.shape[0], 64)
         model.train(was_training)
     for index, (name, attn) in enumerate(layers):
         weight = attn.qkv.weight.detach().to(device="cpu", dtype=torch.float64)
