@@ -118,12 +118,12 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
     """The calibration-image flags (spelled as eval.py's data flags), in a group of their own."""
     data = parser.add_argument_group(f"{purpose} (calibration images; flags as eval.py's data flags)")
     data.add_argument("--calibration-data-dir", default="",
-                      help="dataset root of the calibration images (default: none, weights only)")
+                      help="dataset root; images come from its training split (an image folder without a train/ "
+                           "subfolder is used as it is; default: none, weights only)")
     data.add_argument("--calibration-dataset", default="",
                       help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, ...)")
-    data.add_argument("--calibration-split", default="train", help="split to draw them from (default: train)")
     data.add_argument("--calibration-images", type=int, default=256,
-                      help="images drawn at random (--seed) from the split (default: 256)")
+                      help="images drawn at random (--seed) from it (default: 256)")
     return data
 
 
@@ -136,7 +136,7 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
     if args.calibration_images <= 0:
         raise ValueError(f"--calibration-images must be positive, got {args.calibration_images}")
     return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
-                                                  args.calibration_split, args.calibration_images, model,
+                                                  "train", args.calibration_images, model,
                                                   meta.get("data_config"), args.seed)
 
 

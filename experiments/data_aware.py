@@ -33,7 +33,6 @@ import torch
 from runner import ROOT, figure, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
-from collab_vit.layers.forms import collaborative_logits
 from collab_vit.conversion.calibration import calibration_images, whitening
 from collab_vit.conversion.capture import source_tokens
 from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
@@ -90,12 +89,6 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
     return rows
 
 
-def logits(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Eq. 5's logits of a collaborative layer (``layers.forms.collaborative_logits``), content bias included."""
-    content = layer.content_bias(x) if layer.content_bias is not None else None
-    return collaborative_logits(layer.query(x), layer.mixing, layer.key(x), content, layer.scale)
-
-
 @torch.no_grad()
 def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: torch.Tensor) -> float:
     """The exact objective on held-out images, relative: sqrt(sum ||centre(logits~ - logits)||^2 / sum
@@ -108,8 +101,8 @@ def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: to
         wq, wk = split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads)
         exact = layer_from_decomposition(attn, exact_decomposition(wq, wk, attn.num_heads * attn.head_dim)).double()
         new = copy.deepcopy(model.get_submodule(name)).double()
-        ref = logits(exact, x.double())
-        diff = logits(new, x.double()) - ref
+        ref = exact.logits(x.double())
+        diff = new.logits(x.double()) - ref
         num = (diff - diff.mean(-1, keepdim=True)).square().sum()
         den = (ref - ref.mean(-1, keepdim=True)).square().sum()
         errors.append(float((num / den).sqrt()))

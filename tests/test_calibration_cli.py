@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import timm
@@ -31,11 +32,11 @@ def test_help_fits_one_screen_with_its_flags() -> None:
     convert = build_parser()._subparsers._group_actions[0].choices["convert"]
     text = convert.format_help()
     for flag in ("--model", "--checkpoint", "--model-kwargs", "--key-dim", "--out", "--seed", "--device",
-                 "--calibration-data-dir", "--calibration-dataset", "--calibration-split", "--calibration-images",
+                 "--calibration-data-dir", "--calibration-dataset", "--calibration-images",
                  "--effort", "--method"):
         assert flag in text
     flags = [a for a in convert._actions if a.option_strings and a.dest != "help"]
-    assert len(flags) <= 14 and len(text.splitlines()) <= 60
+    assert len(flags) <= 12 and len(text.splitlines()) <= 60
 
 
 def test_convert_with_calibration_images(tmp_path, capsys) -> None:
@@ -50,6 +51,18 @@ def test_convert_with_calibration_images(tmp_path, capsys) -> None:
     assert calibration["held_out_kl"] <= calibration["weight_only_kl"] and calibration["prefix_weight"] == 16.0
     assert all(layer["error_tokens"] == "1 held-out calibration images" for layer in sidecar["layers"])
     assert f"kept {calibration['chosen']}" in capsys.readouterr().out
+
+
+def test_calibration_from_the_training_split_or_a_plain_image_folder(tmp_path) -> None:
+    """Calibration never comes from an evaluation split: a root with train/ gives its training images; a folder of
+    class folders without one (e.g. only ImageNet's val/ at hand) is used as it is."""
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=2)
+    for root, count in ((data, 12), (str(Path(data) / "val"), 6)):
+        out = tmp_path / f"k{count}.safetensors"
+        assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
+                         "--calibration-data-dir", root, "--calibration-images", "64", "--effort", "fast"]) == 0
+        calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
+        assert calibration["images_fit"] + calibration["images_held_out"] == count
 
 
 def test_convert_with_a_budget_and_removed_flags(tmp_path, capsys) -> None:

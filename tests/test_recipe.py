@@ -1,4 +1,4 @@
-"""The calibrated recipe's parts: eq. 5's logits (``layers.forms.collaborative_logits``), bf16 capture, prefix-token
+"""The calibrated recipe's parts: eq. 5's logits (``CollaborativeAttention.logits``), bf16 capture, prefix-token
 weighting, and the budget across layers (``conversion/budget.py``)."""
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from collab_vit.conversion.budget import Budget, allocate
 from collab_vit.conversion.capture import source_tokens
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.layers.attention import CollaborativeAttention
-from collab_vit.layers.forms import collaborative_logits
 from numerics import assert_within, vit_chain
 from test_calibration import convert, images, tiny_deit
 
@@ -30,17 +29,14 @@ def test_collaborative_logits_of_the_exact_layer_are_the_source_logits_up_to_row
         attn.qkv.bias.normal_(0, 0.5)
     x = torch.randn(2, 7, 12, dtype=torch.float64)
 
-    def collab(layer: CollaborativeAttention, x: torch.Tensor) -> torch.Tensor:
-        return collaborative_logits(layer.query(x), layer.mixing, layer.key(x), layer.content_bias(x), layer.scale)
-
     with torch.no_grad():
         q, k, _ = attn.qkv(x).reshape(2, 7, 3, 3, 4).permute(2, 0, 3, 1, 4)
         ref = q @ k.transpose(-2, -1) * attn.scale
         ref_centred = ref - ref.mean(-1, keepdim=True)
         layer = CollaborativeAttention.from_attention(attn).eval()
         layer.mixing.add_(0.1)
-        off = collab(layer, x)
-        got = collab(CollaborativeAttention.from_attention(attn.float()).eval(), x.float())
+        off = layer.logits(x)
+        got = CollaborativeAttention.from_attention(attn.float()).eval().logits(x.float())
     chain = 12 + 12 + 7  # the projections, the logits' dot product, the row mean
     assert_within(got - got.mean(-1, keepdim=True), ref_centred.float(), chain, what="centred logits")
     assert float((off - off.mean(-1, keepdim=True) - ref_centred).abs().max()) > 1e-2  # the check can fail

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..layers.construction import concatenate_factors, split_qkv_heads
+
 __all__ = [
     "Decomposition",
     "split_qkv_heads",
@@ -119,33 +121,6 @@ def _check_als_args(max_iter: int, tol: float, dtype: torch.dtype) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # small helpers
-
-
-def split_qkv_heads(qkv_weight: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
-    """Per-head query and key factors from a timm ``attn.qkv.weight`` of shape (3D, D).
-
-    Rows ``[0:D]`` are the queries and ``[D:2D]`` the keys; head i owns rows ``i*dh:(i+1)*dh`` of each block.
-
-    Args:
-        qkv_weight: The fused qkv Linear weight, shape (3D, D).
-        num_heads: Number of heads Nh; must divide D.
-
-    Returns:
-        ``(wq, wk)``, each of shape (Nh, D, dh) with ``wq[i] = W[i*dh:(i+1)*dh].T`` (views of ``qkv_weight``).
-    """
-    if not isinstance(qkv_weight, Tensor) or qkv_weight.dim() != 2:
-        raise ValueError(f"qkv_weight must be a 2-D tensor of shape (3D, D), got {getattr(qkv_weight, 'shape', None)}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    three_d, d = qkv_weight.shape
-    if three_d != 3 * d:
-        raise ValueError(f"qkv_weight must have shape (3D, D), got {tuple(qkv_weight.shape)}")
-    if d % num_heads:
-        raise ValueError(f"num_heads={num_heads} does not divide the embedding dim D={d}")
-    dh = d // num_heads
-    wq = qkv_weight[:d].reshape(num_heads, dh, d).transpose(1, 2)
-    wk = qkv_weight[d : 2 * d].reshape(num_heads, dh, d).transpose(1, 2)
-    return wq, wk
 
 
 def dense_tensor(wq: Tensor, wk: Tensor) -> Tensor:
@@ -276,17 +251,10 @@ def exact_decomposition(wq: Tensor, wk: Tensor, rank: int) -> Decomposition:
     """
     _check_factors(wq, wk)
     _check_rank(rank)
-    nh, d, dh = wq.shape
-    n = nh * dh
-    if rank < n:
-        raise ValueError(f"rank must be >= Nh*dh = {n} for the exact construction, got {rank}")
-    query = wq.new_zeros(d, rank)
-    key = wk.new_zeros(d, rank)
-    mixing = wq.new_zeros(nh, rank)
-    query[:, :n] = _concat(wq)
-    key[:, :n] = _concat(wk)
-    for i in range(nh):
-        mixing[i, i * dh : (i + 1) * dh] = 1
+    nh, _, dh = wq.shape
+    if rank < nh * dh:
+        raise ValueError(f"rank must be >= Nh*dh = {nh * dh} for the exact construction, got {rank}")
+    query, key, mixing = concatenate_factors(wq, wk, rank)
     err = relative_error(wq, wk, query, key, mixing)
     return Decomposition(query, key, mixing, err, 0)
 

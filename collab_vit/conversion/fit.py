@@ -7,7 +7,6 @@ builds every converted layer.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ import torch
 from timm.layers import Attention
 
 from ..layers.attention import CollaborativeAttention
+from ..layers.construction import from_factors
 from .calibration import Whitening, whitened_decomposition
 from .decompose import (Decomposition, cp_decompose, exact_decomposition, parafac_decompose, split_qkv_heads,
                         tucker_decompose)
@@ -36,29 +36,10 @@ def check_method(method: object) -> str:
 
 
 def layer_from_decomposition(attn: Attention, decomposition: Decomposition) -> CollaborativeAttention:
-    """The collaborative layer of ``attn`` with ``W~q, W~k, M`` from ``decomposition`` (section 3.3): the one
-    construction, exact with ``decompose.exact_decomposition`` (the concatenate construction). Values, projection
-    and norm are copied; the query bias becomes the content bias ``c_i = Wk_i bq_i`` (section 2.2); the key bias is
-    dropped (constant along each softmax row)."""
-    dim, heads, weight = attn.qkv.in_features, attn.num_heads, attn.qkv.weight
-    has_bias = attn.qkv.bias is not None
-    layer = CollaborativeAttention(
-        dim, heads, key_dim=decomposition.query.shape[1], qkv_bias=has_bias, proj_bias=attn.proj.bias is not None,
-        attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        layer.query.weight.copy_(decomposition.query.T)
-        layer.key.weight.copy_(decomposition.key.T)
-        layer.mixing.copy_(decomposition.mixing)
-        layer.value.weight.copy_(weight[2 * dim:])
-        if has_bias:
-            b_q, _, b_v = attn.qkv.bias.chunk(3)
-            layer.value.bias.copy_(b_v)
-            _, wk = split_qkv_heads(weight, heads)  # (Nh, D, dh): c_i = Wk_i bq_i
-            layer.content_bias.weight.copy_((wk @ b_q.reshape(heads, -1, 1)).squeeze(-1))
-        layer.proj.load_state_dict(attn.proj.state_dict())
-    layer.norm = copy.deepcopy(attn.norm)  # scale_norm, with its exact eps and weights
-    layer.fused_attn = attn.fused_attn
-    return layer.train(attn.training)
+    """The collaborative layer of ``attn`` with ``W~q, W~k, M`` from ``decomposition`` (section 3.3), built by
+    ``layers.construction.from_factors``; exact with ``decompose.exact_decomposition``."""
+    return from_factors(CollaborativeAttention, attn, decomposition.query, decomposition.key,
+                        decomposition.mixing)
 
 
 @dataclass

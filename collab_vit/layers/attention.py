@@ -6,7 +6,6 @@ Both layers are drop-in ``attn_layer`` classes for timm's ``VisionTransformer``:
 ``forward(x, attn_mask=None, is_causal=False)`` with the semantics of timm's ``Attention``.
 """
 
-import copy
 import math
 from functools import lru_cache
 from typing import Literal, Optional, Type
@@ -19,7 +18,9 @@ from timm.layers import Attention, use_fused_attn
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import register_notrace_function
 
-from .attention_core import CollaborativeCore, equal_head_dims, explicit_attend, explicit_collaborative
+from .construction import concatenate_factors, from_factors, split_qkv_heads
+from .attention_core import (CollaborativeCore, collaborative_logits, equal_head_dims, explicit_attend,
+                             explicit_collaborative)
 from .dispatch import Path, select_path
 from .sdpa_layout import folded_layout, head_queries, shared_keys
 
@@ -282,6 +283,15 @@ class CollaborativeAttention(HeadOutput):
                                  self.fused_attn)
         return self.project_heads(x)
 
+    @torch.jit.unused
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Eq. 5's logits of every head for tokens ``x`` (B, N, D): ``(B, Nh, N, N)``, content bias included, in
+        ``x``'s dtype (float32 at least); ``attention_core.collaborative_logits``, as the explicit route computes them."""
+        q, k = self.q_norm(self.query(x)), self.k_norm(self.key(x))
+        content = self.content_bias(x) if self.content_bias is not None else None
+        mask = content_mask(content, self.scale, None, False, x.shape[1], q)
+        return collaborative_logits(q, self.mixing, k, mask, self.scale)
+
     @classmethod
     def from_attention(cls, attn: Attention, key_dim: Optional[int] = None) -> "CollaborativeAttention":
         """Exact collaborative layer from a timm ``Attention`` (paper section 3.3, full rank).
@@ -303,35 +313,8 @@ class CollaborativeAttention(HeadOutput):
         if key_dim < dim:
             raise ValueError(f"exact conversion needs key_dim >= dim ({dim}), got {key_dim}; "
                              f"use collab_vit.reparametrize for compressed layers")
-        has_bias = attn.qkv.bias is not None
-        ref = attn.qkv.weight
-        layer = cls(
-            dim, attn.num_heads, key_dim=key_dim, qkv_bias=has_bias,
-            proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
-            mixing_init="concatenate", device=ref.device, dtype=ref.dtype,
-        )
-        layer.fused_attn = attn.fused_attn
-        with torch.no_grad():
-            w_q, w_k, w_v = attn.qkv.weight.chunk(3, dim=0)  # each (D, D): rows are output features
-            layer.query.weight.zero_()
-            layer.key.weight.zero_()
-            layer.query.weight[:dim] = w_q
-            layer.key.weight[:dim] = w_k
-            layer.mixing.zero_()
-            for head in range(attn.num_heads):
-                block = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
-                layer.mixing[head, block] = 1.
-            layer.value.weight.copy_(w_v)
-            if has_bias:
-                b_q, _, b_v = attn.qkv.bias.chunk(3)
-                layer.value.bias.copy_(b_v)
-                # c_i = Wk_i^T bq_i in x-space: row i = sum_d bq[i, d] * Wk[i*dh + d, :]
-                heads_bq = b_q.reshape(attn.num_heads, 1, attn.head_dim)
-                heads_wk = w_k.reshape(attn.num_heads, attn.head_dim, dim)
-                layer.content_bias.weight.copy_((heads_bq @ heads_wk).squeeze(1))
-            layer.proj.load_state_dict(attn.proj.state_dict())
-        layer.norm = copy.deepcopy(attn.norm)  # scale_norm, with its exact eps and weights
-        return layer.train(attn.training)
+        wq, wk = split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads)
+        return from_factors(cls, attn, *concatenate_factors(wq, wk, key_dim))
 
 
 class ConcatAttention(HeadOutput):

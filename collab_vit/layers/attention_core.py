@@ -77,11 +77,22 @@ def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return F.dropout(attn.softmax(dim=-1), dropout_p).to(v.dtype) @ v
 
 
+def collaborative_logits(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor],
+                         scale: float) -> torch.Tensor:
+    """Eq. 5's logits of every head, ``(B, Nh, N, N)`` in ``stats_dtype``: ``scale * (q diag(m_i)) k^T + mask``.
+
+    ``q``, ``k``: shared queries and keys (B, N, D~k); ``mixing`` (Nh, D~k); ``mask``: additive, the content bias
+    ``scale * c_i . x_m`` included (``attention.content_mask``). The one written-out form of the logits: the explicit
+    route, the core's double backward, the layer's ``logits`` and the conversion's measures all come here.
+    """
+    return logits(mixed_queries(q, scaled_mixing(mixing, scale, q.dtype)), k, mask)
+
+
 def explicit_collaborative(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: Optional[torch.Tensor], scale: float, dropout_p: float = 0.) -> torch.Tensor:
-    """Eq. 5 written out: the mixed queries of every head (B, Nh, N, D~k) against the shared keys, additive mask."""
-    q_mixed = mixed_queries(q, scaled_mixing(mixing, scale, q.dtype))
-    return explicit_attend(q_mixed, k.unsqueeze(1), v, 1., mask, False, dropout_p)
+    """Eq. 5 written out: the softmax of ``collaborative_logits`` (float32 at least) times the values."""
+    weights = collaborative_logits(q, mixing, k, mask, scale).softmax(dim=-1)
+    return F.dropout(weights, dropout_p).to(v.dtype) @ v
 
 
 def logits(q_mixed: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -76,15 +76,3 @@ class EvaFormAttention(RopeFreeCall, Attention):
 class CollaborativeEvaFormAttention(RopeFreeCall, CollaborativeAttention):
     """Collaborative attention (eq. 5) under EVA's call signature."""
 
-
-def collaborative_logits(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, content: Optional[torch.Tensor],
-                         scale: float) -> torch.Tensor:
-    """Eq. 5's logits of every head, ``(B, Nh, N, N)``: ``((x W~q) diag(m_i) (x W~k)^T + c_i . x_m) * scale``.
-
-    ``q``, ``k``: shared queries and keys ``(B, N, D~k)``; ``mixing`` ``(Nh, D~k)``; ``content``: the content scores
-    ``c_i . x_m`` ``(B, N, Nh)`` or None. The one written-out form of the collaborative logits (the conversion's
-    measures call it; the kernels of ``attention.py`` compute the same without forming it)."""
-    logits = torch.einsum("bnr,hr,bmr->bhnm", q, mixing.to(q.dtype), k)
-    if content is not None:
-        logits = logits + content.transpose(1, 2).unsqueeze(2)
-    return logits * scale
