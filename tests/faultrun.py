@@ -7,6 +7,7 @@
   ``os.replace``: a checkpoint write cut short;
 * ``after:NAME:N`` -- right after the N-th ``os.replace`` of NAME: between the writes of an epoch's end.
 
+``KILL_SIGNAL`` (default ``SIGKILL``) names the signal sent instead, e.g. ``SIGINT`` for a Ctrl-C at that point.
 ``KILL_RANK`` limits the kill to one rank and ``KILL_ATTEMPT`` to one torchrun attempt (``TORCHELASTIC_RESTART_COUNT``).
 Nothing here changes the package: it wraps ``os.replace`` (as ``collab_vit.weights_io.atomic_write`` calls it) and
 ``StopRequest.requested`` in this process only.
@@ -26,7 +27,7 @@ from collab_vit.training.trainer import main  # noqa: E402
 def _kill() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), getattr(signal, os.environ.get('KILL_SIGNAL', 'SIGKILL')))
 
 
 def install(spec: str) -> None:

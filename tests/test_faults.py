@@ -83,6 +83,33 @@ def test_kill9_anywhere_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     assert [(r['top1'], r['train_loss']) for r in log] == [(r['top1'], r['train_loss']) for r in ref_log]
 
 
+@pytest.mark.parametrize('at', ['update:4', 'write:last.pth:1'])
+def test_ctrl_c_is_one_line_and_leaves_whole_files(tiny_data, tmp_path, at):
+    """Ctrl-C (SIGINT) mid-epoch or inside a checkpoint write: exit 130, one line on stderr, no traceback, no temp
+    file, every checkpoint present loads, and --auto-resume finishes the run."""
+    out = tmp_path / 'run'
+    flags = to_flags(tiny_overrides(tiny_data, str(out), **RNG_HEAVY))
+    proc = subprocess.run([sys.executable, FAULTRUN, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**ENV, 'KILL_AT': at, 'KILL_SIGNAL': 'SIGINT'})
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        'error: interrupted (SIGINT); the checkpoints written so far are whole: continue with --auto-resume'], proc.stderr
+    assert not temp_files(out)
+    assert_checkpoints_load(out)
+    assert main([*flags, '--auto-resume', 'true']) == 0
+
+
+def test_eval_ctrl_c_is_one_line(monkeypatch, capsys):
+    from collab_vit.training import eval_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(eval_cli, 'run', interrupted)
+    monkeypatch.setattr(eval_cli, 'parse_args', lambda argv: None)
+    assert eval_cli.main([]) == 130
+    assert capsys.readouterr().err == 'error: interrupted (SIGINT); no --output was written\n'
+
+
 def test_elastic_restart_with_auto_resume(tiny_data, tmp_path):
     """torchrun --max-restarts=2, rank 1 SIGKILLed mid-run in the first attempt: the group restarts with the same
     command line, --auto-resume finds last.pth, and the run finishes with the weights of an uninterrupted run."""

@@ -256,21 +256,3 @@ def test_two_processes_agree_on_a_stop_at_the_next_read(ddp_run, tmp_path):
                                               'output': str(out)}] * 2
     ckpt = load_checkpoint(out / 'last.pth')
     assert ckpt['batches_done'] == 4 and ckpt['step'] == 4 and len(ckpt['rng_at_stop']) == 2
-
-
-def test_train_loader_on_a_torch_without_in_order(tiny_data, tmp_path, monkeypatch):
-    """DataLoader's ``in_order`` exists from torch 2.6 (below the floor now: a follow-up removes this): the single-process loader, rebuilt
-    with the epoch-seeded sampler, copies it only where it exists (here removed, as on torch < 2.6)."""
-    from collab_vit.training import data
-    from collab_vit.training.data import EpochSeededSampler
-    original = torch.utils.data.DataLoader.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        del self.in_order
-    monkeypatch.setattr(torch.utils.data.DataLoader, '__init__', init)
-    cfg = build_config(None, tiny_overrides(tiny_data, str(tmp_path)))
-    loader = data.build_train_loader(cfg, data.build_dataset('', tiny_data, 'train', True),
-                                     data.eval_data_config(32, 0.875), DistInfo())
-    assert isinstance(loader.sampler, EpochSeededSampler) and not hasattr(loader, 'in_order')
-    assert len(loader) == 6

@@ -313,16 +313,12 @@ def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist
         drop_last=inner.drop_last, timeout=inner.timeout, worker_init_fn=inner.worker_init_fn,
         multiprocessing_context=inner.multiprocessing_context, generator=inner.generator,
         prefetch_factor=inner.prefetch_factor, persistent_workers=inner.persistent_workers,
-        pin_memory_device=inner.pin_memory_device, **_in_order(inner))
+        pin_memory_device=inner.pin_memory_device, in_order=inner.in_order)
     if inner is loader:
         return rebuilt
     loader.loader = rebuilt
     return loader
 
-
-def _in_order(loader: torch.utils.data.DataLoader) -> Dict[str, Any]:
-    """DataLoader's ``in_order`` (torch >= 2.6) when this torch has it (a shim from an older floor; today's is 2.9)."""
-    return {'in_order': loader.in_order} if hasattr(loader, 'in_order') else {}
 
 
 def build_eval_loader(dataset, data_cfg: Dict[str, Any], batch_size: int, num_workers: int, dist_info: DistInfo,

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2; a failed write of
-    ``--output`` (a full disk) is one line, exit 1."""
+    ``--output`` (a full disk) is one line, exit 1; Ctrl-C one line, exit 130."""
     try:
         run(parse_args(argv))
     except (ConfigError, DataError, WeightsError, FileNotFoundError) as e:
@@ -170,4 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except WriteError as e:
         print(f'error: {one_line(e)}', file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: every write is atomic, so nothing is left half written
+        print('error: interrupted (SIGINT); no --output was written', file=sys.stderr)
+        return 130
     return 0

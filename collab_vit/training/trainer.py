@@ -348,7 +348,7 @@ def format_summary(s: Dict[str, Any]) -> str:
 
 def main(argv: Optional[list] = None) -> int:
     """Console entry: ``train.py -c CONFIG [--key value ...]``. Config, data and weights errors are one line, exit 2;
-    a run stopped by a non-finite loss or a failed write (a full disk) is one line, exit 1."""
+    a run stopped by a non-finite loss or a failed write (a full disk) is one line, exit 1; Ctrl-C one line, exit 130."""
     try:
         cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
         train(cfg)
@@ -358,6 +358,10 @@ def main(argv: Optional[list] = None) -> int:
     except (NonFiniteLossError, WriteError) as e:
         print(f'error: {one_line(e)}', file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: every write is atomic, so nothing is left half written
+        print('error: interrupted (SIGINT); the checkpoints written so far are whole: continue with --auto-resume',
+              file=sys.stderr)
+        return 130
     return 0
 
 
