@@ -1,28 +1,35 @@
-"""Cost of the data-aware conversion next to the weight-only one (issue target: the closed form on DeiT-B's 12
-layers to key dim 384 with 256 calibration images at 224 px in at most 2x the weight-only time, forward passes
-included), where the time goes, the peak bytes of calibration tokens held, and the refinement's cost per step.
+"""Cost of the calibrated conversion (the recipe) next to the weight-only one on DeiT-B, on this machine.
 
     python benchmarks/data_aware_bench.py                                  # DeiT-B, 256 images, key dim 384
-    python benchmarks/data_aware_bench.py --model deit_tiny_patch16_224 --images 8 --key-dim 96 --refine-steps 2
+    python benchmarks/data_aware_bench.py --model deit_tiny_patch16_224 --images 8 --key-dim 96 --refine-steps 1
 
-Random weights (the cost does not depend on them) and random images. Prints a Markdown table; take the numbers on
-a quiet machine (one thread per decomposition, as the conversion does).
+Rows: the weight-only conversion; the recipe at ``effort="fast"`` (token capture in bfloat16 as ``Recipe(amp=True)``,
+float32 as well with ``--fp32``; both fits measured on the held-out images); the refinement's seconds per step
+(batch 64) and of its guard (two passes over the fitting images), timed on the weight-only start, and from them the
+default effort's projected total (``ceil(80 x fitting images / 64)`` steps). Random weights and images (the cost
+does not depend on them). Prints a Markdown table; take the numbers on a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import platform
 import time
 
 import timm
 import torch
 
-import collab_vit
+from collab_vit.conversion.capture import model_outputs
+from collab_vit.conversion.recipe import EFFORTS, Recipe, split
+from collab_vit.conversion.refine import refine_logits
+from collab_vit.conversion.reparam import convert_model
 
 
-ROWS = {"source": ("source", False), "sequential": ("sequential", False), "source-amp": ("source", True),
-        "sequential-amp": ("sequential", True)}
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def main() -> None:
@@ -30,43 +37,46 @@ def main() -> None:
     p.add_argument("--model", default="deit_base_patch16_224")
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--key-dim", type=int, default=384)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--refine-steps", type=int, default=3, help="steps timed for the refinement's cost per step "
-                   "(0: not timed)")
-    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="conversions timed (default: all)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads for the forward passes (0: torch's)")
+    p.add_argument("--refine-steps", type=int, default=2, help="steps timed for the refinement's cost per step")
+    p.add_argument("--fp32", action="store_true", help="also time the recipe with a float32 token capture")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     source = timm.create_model(args.model).eval()
     images = torch.randn(args.images, *source.pretrained_cfg["input_size"], generator=torch.Generator().manual_seed(1))
     rows = []
-
-    start = time.perf_counter()
-    reports = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, progress=False)
-    rows.append(("weight-only", time.perf_counter() - start, sum(r.seconds for r in reports), 0.0, 0))
-    for capture, amp in (ROWS[row] for row in ROWS if row in args.rows):
-        start = time.perf_counter()
-        reports = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, calibration=images,
-                                                  capture=capture, batch_size=args.batch_size, amp=amp,
-                                                  progress=False)
-        rows.append((f"data-aware, {capture} tokens" + (", bf16 capture (`amp=True`)" if amp else ""),
-                     time.perf_counter() - start, sum(r.seconds for r in reports),
-                     reports.summary["capture_seconds"], reports.summary["peak_token_bytes"]))
-    refine = collab_vit.reparametrize_layers(copy.deepcopy(source), args.key_dim, calibration=images,
-                                             refine_steps=args.refine_steps, batch_size=args.batch_size,
-                                             progress=False).summary["refine"] if args.refine_steps else None
-
-    print(f"{args.model}, key dim {args.key_dim}, {args.images} calibration images, batch {args.batch_size}; "
-          f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| conversion | wall s | fits (whitening + decomposition) s | forward passes, moments s | "
-          "peak calibration tokens held (MB) |\n|---|---:|---:|---:|---:|")
-    for name, wall, fits, capture, peak in rows:
-        print(f"| {name} | {wall:.1f} | {fits:.1f} | {capture:.1f} | {peak / 2**20:.1f} |")
-    if refine:
-        print(f"\nrefinement: {refine['seconds'] / max(refine['steps'], 1):.2f} s per step (batch {args.batch_size}, "
-              f"{refine['steps']} steps)")
+    wall, _ = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", None, "fast", 0, False,
+                                          Recipe()))
+    rows.append(("weight-only", wall, None))
+    weight_only = wall
+    for amp in ((True, False) if args.fp32 else (True,)):
+        wall, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", images, "fast", 0,
+                                                   False, Recipe(amp=amp)))
+        rows.append((f"recipe, effort fast, {'bfloat16' if amp else 'float32'} capture", wall, report.summary))
+    fast = rows[1][1]
+    fit = split(args.images, None)
+    model = copy.deepcopy(source)
+    convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, Recipe())
+    targets = model_outputs(source, images[:fit], 64)
+    layers = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"]
+    guard, _ = timed(lambda: refine_logits(model, layers, images[:fit], targets, 0, progress=False))
+    steps_wall, _ = timed(lambda: refine_logits(model, layers, images[:fit], targets, args.refine_steps,
+                                                progress=False))
+    per_step = (steps_wall - guard) / args.refine_steps
+    default_steps = math.ceil(EFFORTS["default"][0] * fit / 64)
+    print(f"{args.model}, key dim {args.key_dim}, {args.images} calibration images ({fit} fit, "
+          f"{args.images - fit} held out); {platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}\n")
+    print("| conversion | wall s | token capture s | held-out KL weight-only / closed form | x weight-only |\n"
+          "|---|---:|---:|---|---:|")
+    for name, wall, summary in rows:
+        capture = f"{summary['capture_seconds']:.1f}" if summary else "—"
+        kls = "—" if not summary else " / ".join(f"{summary['candidates'][c]:.3g}" for c in ("weight", "whitened"))
+        print(f"| {name} | {wall:.1f} | {capture} | {kls} | {wall / weight_only:.2f} |")
+    projected = fast + guard + default_steps * per_step
+    print(f"\nper calibration image, recipe (fast) beyond weight-only: {(fast - weight_only) / args.images:.2f} s")
+    print(f"refinement: {per_step:.2f} s per step (batch 64, {args.refine_steps} steps timed), guard passes "
+          f"{guard:.1f} s; effort default = {default_steps} steps: projected {projected:.0f} s "
+          f"({projected / weight_only:.1f}x weight-only)")
 
 
 if __name__ == "__main__":

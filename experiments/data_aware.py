@@ -33,11 +33,16 @@ import torch
 from runner import ROOT, figure, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
-from collab_vit.conversion.calibration import calibration_images, whitening
-from collab_vit.conversion.capture import source_tokens
+import torch.nn.functional as F
+
+from collab_vit.conversion.budget import Budget, allocate
+from collab_vit.conversion.calibration import calibration_images, prefix_weight_for, whitening
+from collab_vit.conversion.capture import prefix_tokens, source_tokens
+from collab_vit.conversion.fit import fit_attention
+from collab_vit.conversion.refine import mean_kl
 from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.recipe import Recipe, split
 from collab_vit.conversion.reparam import (_output_error, convert_model, layer_from_decomposition, probe_input_size,
                                            timm_attention_layers)
 
@@ -90,6 +95,33 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
 
 
 @torch.no_grad()
+def held_out_allocation(source: torch.nn.Module, images: torch.Tensor, total: int, args: argparse.Namespace
+                        ) -> tuple[list[int], list[list[float]]]:
+    """A budget spread by the held-out measure instead of the whitened spectra: for each layer l and key dim k, the
+    held-out KL to the source of the model with only layer l converted (the whitened closed form at k, class token
+    balanced; the recipe's split of ``images``), then ``budget.allocate`` on the curves ``-KL_l(k)`` (made
+    non-decreasing). Returns the dims and the curves."""
+    model = copy.deepcopy(source).eval()
+    layers = timm_attention_layers(model)
+    fit = split(images.shape[0], None)
+    moments, _, _, outputs = source_tokens(model, layers, images, fit, 64)
+    held, target = images[fit:], F.log_softmax(outputs[fit:].float(), dim=-1)
+    weight = prefix_weight_for("balanced", prefix_tokens(model), model.patch_embed.num_patches)
+    curves = []
+    for (name, attn), m in zip(layers, moments):
+        sides = whitening(m, args.ridge, weight)
+        parent, _, child = name.rpartition(".")
+        kl = []
+        for k in range(1, attn.num_heads * attn.head_dim + 1):
+            setattr(model.get_submodule(parent), child, fit_attention(attn, k, "tucker", sides, seed=args.seed).layer.eval())
+            kl.append(mean_kl(model, held, target, 64))
+        setattr(model.get_submodule(parent), child, attn)
+        curves.append(kl)
+    dims = allocate(total, [torch.cummax(-torch.tensor(c, dtype=torch.float64), 0).values for c in curves])
+    return dims, curves
+
+
+@torch.no_grad()
 def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: torch.Tensor) -> float:
     """The exact objective on held-out images, relative: sqrt(sum ||centre(logits~ - logits)||^2 / sum
     ||centre(logits)||^2), rows centred over the keys (softmax ignores row constants; docs/math.md), float64, the
@@ -111,8 +143,8 @@ def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: to
 
 PINNED = {"data": ("whitened",), "weight+refine": ("weight+refine",), "data+refine": ("whitened+refine",)}
 EFFORT = {"recipe-fast": "fast", "recipe": "default", "recipe-thorough": "thorough"}
-COLUMN_ORDER = ["weight", "recipe-fast", "recipe", "recipe-thorough", "data", "weight+refine", "data+refine", "cut",
-                "cut-white"]
+COLUMN_ORDER = ["weight", "recipe-fast", "recipe", "recipe-thorough", "recipe-heldout", "data", "weight+refine",
+                "data+refine", "cut", "cut-white"]
 
 
 def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: torch.Tensor, held: torch.Tensor,
@@ -128,13 +160,19 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
     elif variant == "weight":
         reports = convert_model(model, key_dim, "tucker", None, "fast", args.seed, False, Recipe(), probe=held)
         layers = [r.as_dict() for r in reports]
+    elif variant == "recipe-heldout":  # a budget spread by the held-out measure, then the default recipe
+        full = [a.num_heads * a.head_dim for _, a in timm_attention_layers(source)]
+        dims, curves = held_out_allocation(source, pool[:n], key_dim.total(full), args)
+        reports = convert_model(model, dims, "tucker", pool[:n], "default", args.seed, False, Recipe(ridge=args.ridge))
+        layers, summary = [r.as_dict() for r in reports], {**reports.summary, "held_out_kl_curves": curves}
     else:
         recipe = Recipe(ridge=args.ridge, candidates=PINNED.get(variant), refine_steps=args.refine_steps)
         reports = convert_model(model, key_dim, "tucker", pool[:n], EFFORT.get(variant, "default"), args.seed, False,
                                 recipe)
         layers, summary = [r.as_dict() for r in reports], reports.summary
     seconds = time.perf_counter() - start
-    row = {"name": name, "variant": variant, "key_dim": key_dim, "images": 0 if variant in ("weight", "cut") else n,
+    shown = f"budget={key_dim.fraction!r}" if isinstance(key_dim, Budget) else key_dim
+    row = {"name": name, "variant": variant, "key_dim": shown, "images": 0 if variant in ("weight", "cut") else n,
            "key_dims": [x["key_dim"] for x in layers], "top1": top1(model, *test), "top1_source": args.top1_source,
            "seconds": round(seconds, 2), "output_error": fmean(x["output_error"] for x in layers),
            "within_image_logit_error": within_image_error(model, source, held),
@@ -224,6 +262,19 @@ def plot(rows: list[dict], top1_source: float, path: Path, images: int = 256) ->
     fig.savefig(path)
 
 
+def parse_key(key: str, variant: str, found: dict, source: torch.nn.Module):
+    """``8`` (every layer), ``0.95`` (energy threshold), ``budget=0.125``, or ``match=0.95``: the budget whose total
+    equals the key dims the same variant's ``0.95`` cell picked (``recipe``'s for ``recipe-heldout``), for the
+    comparison at equal q/k parameters."""
+    if key.startswith("budget="):
+        return Budget.parse(key)
+    if key.startswith("match="):
+        row = found[("recipe" if variant == "recipe-heldout" else variant, key[len("match="):])]
+        full = sum(a.num_heads * a.head_dim for _, a in timm_attention_layers(source))
+        return Budget(sum(row["key_dims"]) / full)
+    return float(key) if "." in key else int(key)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", type=Path, required=True, help="a trained standard model (.safetensors export)")
@@ -248,15 +299,18 @@ def main() -> None:
     pool = calibration_images(loader, probe_input_size(source))
     pool, held = pool[:-HELD_OUT], pool[-HELD_OUT:]
     rows = []
+    found: dict[tuple[str, str], dict] = {}
     for key in args.key_dims:
-        key_dim = key if key.startswith("budget=") else float(key) if "." in key else int(key)
         for variant in args.variants:
-            if variant.startswith("cut") and not isinstance(key_dim, int):
+            key_dim = parse_key(key, variant, found, source)
+            if (variant.startswith("cut") and not isinstance(key_dim, int)) or (
+                    variant == "recipe-heldout" and not isinstance(key_dim, Budget)):
                 continue
             for n in (args.images if variant not in ("weight", "cut") else [max(args.images)]):
                 tag = "" if variant in ("weight", "cut") else f"_n{n}"
                 rows.append(run_cell(f"{variant}_k{key}{tag}".replace("+", "_"), source, key_dim, variant, pool,
                                      held, n, test, args))
+                found[(variant, key)] = rows[-1]
     main_count = 256 if 256 in args.images else max(args.images)
     (args.results / "table.md").write_text(table(rows, args.top1_source) + "\n" +
                                            summary_table(rows, args.top1_source, main_count))

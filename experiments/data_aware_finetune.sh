@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
-# RESULTS.md (b), data-aware conversion: key dim 4 by `collab-vit convert` (weight-only; the recipe with 256 training
-# images, --effort fast: closed forms only, and the default: the better one refined), eval.py right after, then the
-# 1-epoch fine-tune of
-# configs/fmnist/finetune.yaml; control: the source fine-tuned the same way. ~10 min on 2 busy cores.
-#   DATA=data PYTHON=.venv/bin/python bash experiments/data_aware_finetune.sh
-#   SRC=runs/experiments/data_aware_e15/model.safetensors bash experiments/data_aware_finetune.sh   # another source
+# RESULTS.md (b), the recipe after a fine-tune: for each key dim in KEYS (default: 4 per layer, and the same total as
+# a budget, budget=0.0625), `collab-vit convert` weight-only and with the recipe (256 training images, default
+# effort) into a hub folder, eval.py right after, then the 1-epoch fine-tune of configs/fmnist/finetune.yaml on the
+# folder's architecture (`--model local-dir:`). Control: the source fine-tuned the same way. ~5 min per fine-tune.
+#   SRC=runs/experiments/data_aware/model.safetensors DATA=data PYTHON=.venv/bin/python bash experiments/data_aware_finetune.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 py=${PYTHON:-python}
 data=${DATA:-data}
 src=${SRC:-runs/experiments/data_aware/model.safetensors}
-out=$(dirname "$src")/finetune
+out=${OUT:-$(dirname "$src")/finetune}
+keys=${KEYS:-4 budget=0.0625}
 mkdir -p "$out"
 cal=(--calibration-dataset torch/fashion_mnist --calibration-data-dir "$data" --calibration-images 256)
 arch=(patch_size=4 embed_dim=64 depth=4 num_heads=4 img_size=28 in_chans=1)
-"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 --out "$out/weight.safetensors" > "$out/weight.log" 2>&1
-"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 "${cal[@]}" --effort fast \
-    --out "$out/data.safetensors" > "$out/data.log" 2>&1
-"$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim 4 "${cal[@]}" --out "$out/refine.safetensors" \
-    > "$out/refine.log" 2>&1
-for v in weight data refine; do
-    "$py" eval.py --checkpoint "$out/$v.safetensors" --dataset torch/fashion_mnist --data-dir "$data" --workers 0 \
-        --cpu-threads 1 --output "$out/eval_$v.json" > "$out/eval_$v.log" 2>&1
-    "$py" train.py -c configs/fmnist/finetune.yaml --checkpoint "$out/$v.safetensors" --model collab_deit_tiny_patch16_224 \
-        --model-kwargs "${arch[@]}" key_dim=4 --data-dir "$data" --output "$out/ft_$v" --progress false > "$out/ft_$v.log" 2>&1
+tune() {  # tune NAME MODEL CHECKPOINT [extra train.py flags]
+    local name=$1 model=$2 checkpoint=$3
+    shift 3
+    [ -f "$out/ft_$name/model.safetensors" ] || "$py" train.py -c configs/fmnist/finetune.yaml --checkpoint "$checkpoint" \
+        --model "$model" --data-dir "$data" --output "$out/ft_$name" --progress false "$@" > "$out/ft_$name.log" 2>&1
+}
+for key in $keys; do
+    for v in weight recipe; do
+        folder="$out/${v}_${key}"
+        flags=()
+        [ "$v" = recipe ] && flags=("${cal[@]}")
+        [ -d "$folder" ] || "$py" -m collab_vit.cli convert --checkpoint "$src" --key-dim "$key" "${flags[@]}" \
+            --out "$folder" > "$out/${v}_${key}.log" 2>&1
+        "$py" eval.py --checkpoint "$folder" --dataset torch/fashion_mnist --data-dir "$data" --workers 0 \
+            --cpu-threads 1 --output "$out/eval_${v}_${key}.json" > "$out/eval_${v}_${key}.log" 2>&1
+        tune "${v}_${key}" "local-dir:$folder" "$folder" --model-kwargs img_size=28 in_chans=1
+    done
 done
-"$py" train.py -c configs/fmnist/finetune.yaml --checkpoint "$src" --model deit_tiny_patch16_224 \
-    --model-kwargs "${arch[@]}" --data-dir "$data" --output "$out/ft_source" --progress false > "$out/ft_source.log" 2>&1
+tune source deit_tiny_patch16_224 "$src" --model-kwargs "${arch[@]}"
 echo "done: $out"

@@ -41,6 +41,23 @@ def test_data_aware_experiment(tiny_fashion_mnist, tmp_path):  # noqa: F811
     assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
 
 
+def test_budget_rows_at_equal_parameters(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    """``match=0.9`` takes the total its variant's 0.9 threshold picked; ``recipe-heldout`` spreads a budget by the
+    held-out KL of each layer at every key dim."""
+    results = tmp_path / 'results'
+    run('data_aware.py', '--source', tiny_source(tmp_path), '--data-dir', tiny_fashion_mnist, '--results', results,
+        '--key-dims', '0.9', 'match=0.9', 'budget=0.5', '--variants', 'weight', 'recipe', 'recipe-heldout',
+        '--images', '8', '--refine-steps', '1')
+    for variant, tag in (('weight', ''), ('recipe', '_n8')):
+        threshold = json.loads((results / f'{variant}_k0.9{tag}.json').read_text())
+        matched = json.loads((results / f'{variant}_kmatch=0.9{tag}.json').read_text())
+        assert sum(matched['key_dims']) == sum(threshold['key_dims'])
+        assert matched['key_dim'] == f"budget={sum(threshold['key_dims']) / 16!r}"
+    heldout = json.loads((results / 'recipe-heldout_kbudget=0.5_n8.json').read_text())
+    assert heldout['key_dims'] == [8] and len(heldout['summary']['held_out_kl_curves'][0]) == 16
+    assert not (results / 'recipe-heldout_k0.9_n8.json').exists()
+
+
 def test_class_token_diagnostic(tiny_fashion_mnist, tmp_path):  # noqa: F811
     """experiments/data_aware_class_token.py: per-layer class-token / patch errors and the weighting probe."""
     source = tiny_source(tmp_path)
