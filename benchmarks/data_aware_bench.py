@@ -5,8 +5,8 @@
 
 Rows: the weight-only conversion; the recipe at ``effort="fast"`` (token capture in bfloat16 as ``Recipe(amp=True)``,
 float32 as well with ``--fp32``; both fits measured on the held-out images); the refinement's seconds per step
-(batch 64) and of its guard (two passes over the fitting images), timed on the weight-only start, and from them the
-default effort's projected total (``ceil(80 x fitting images / 64)`` steps). Random weights and images (the cost
+(batch 64) and of its guard (two passes over the fitting images), timed on one batch of the weight-only start,
+and from them the default effort's projected total (``ceil(80 x fitting images / 64)`` steps). Random weights and images (the cost
 does not depend on them). Prints a Markdown table; take the numbers on a quiet machine.
 """
 from __future__ import annotations
@@ -56,12 +56,13 @@ def main() -> None:
     fit = split(args.images, None)
     model = copy.deepcopy(source)
     convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, Recipe())
-    targets = model_outputs(source, images[:fit], 64)
+    timing = images[:min(fit, 64)]  # one batch: the per-step cost does not depend on the pool, the guard scales
+    targets = model_outputs(source, timing, 64)
     layers = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"]
-    guard, _ = timed(lambda: refine_logits(model, layers, images[:fit], targets, 0, progress=False))
-    steps_wall, _ = timed(lambda: refine_logits(model, layers, images[:fit], targets, args.refine_steps,
-                                                progress=False))
+    guard, _ = timed(lambda: refine_logits(model, layers, timing, targets, 0, progress=False))
+    steps_wall, _ = timed(lambda: refine_logits(model, layers, timing, targets, args.refine_steps, progress=False))
     per_step = (steps_wall - guard) / args.refine_steps
+    guard *= fit / timing.shape[0]
     default_steps = math.ceil(EFFORTS["default"][0] * fit / 64)
     print(f"{args.model}, key dim {args.key_dim}, {args.images} calibration images ({fit} fit, "
           f"{args.images - fit} held out); {platform.machine()}, {torch.get_num_threads()} threads, "

@@ -2,7 +2,7 @@
 # RESULTS.md (b), the recipe after a fine-tune: for each key dim in KEYS (default: 4 per layer, and the same total as
 # a budget, budget=0.0625), `collab-vit convert` weight-only and with the recipe (256 training images, default
 # effort) into a hub folder, eval.py right after, then the 1-epoch fine-tune of configs/fmnist/finetune.yaml on the
-# folder's architecture (`--model local-dir:`). Control: the source fine-tuned the same way. ~5 min per fine-tune.
+# folder's architecture (`--model local-dir:`). Control: the source fine-tuned the same way (CONTROL=0 skips it). ~5 min per fine-tune.
 #   SRC=runs/experiments/data_aware/model.safetensors DATA=data PYTHON=.venv/bin/python bash experiments/data_aware_finetune.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +33,5 @@ for key in $keys; do
         tune "${v}_${key}" "local-dir:$folder" "$folder" --model-kwargs img_size=28 in_chans=1
     done
 done
-tune source deit_tiny_patch16_224 "$src" --model-kwargs "${arch[@]}"
+[ "${CONTROL:-1}" = 0 ] || tune source deit_tiny_patch16_224 "$src" --model-kwargs "${arch[@]}"
 echo "done: $out"

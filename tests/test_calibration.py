@@ -199,11 +199,16 @@ def test_refinement_is_deterministic_and_moves_only_queries_keys_mixing() -> Non
     assert ra.summary["refine"]["steps"] == 8 and ra.summary["chosen"] == "whitened+refine"
 
 
-def test_energy_threshold_uses_the_whitened_spectrum() -> None:
+def test_energy_threshold_reads_each_starts_spectra() -> None:
+    """The weight-only candidate takes the weight spectra's dims (it is the weight-only conversion), the closed form
+    the whitened spectra's; the report names the kept one's."""
     reports = convert(tiny_deit(), 0.9, images(8), "fast")
-    assert all(r.key_dim_from == "threshold (whitened spectra)" and 0 < r.key_dim <= 24 for r in reports)
-    reports = convert(tiny_deit(), 0.9, None)
-    assert all(r.key_dim_from == "threshold (weight spectra)" for r in reports)
+    s = reports.summary
+    weight_only = [r.key_dim for r in convert(tiny_deit(), 0.9, None)]
+    assert s["candidate_key_dims"]["weight"] == weight_only
+    assert [r.key_dim for r in reports] == s["candidate_key_dims"][s["chosen"]]
+    assert all(r.key_dim_from == f"threshold ({s['chosen']} spectra)" and 0 < r.key_dim <= 24 for r in reports)
+    assert all(r.key_dim_from == "threshold (weight spectra)" for r in convert(tiny_deit(), 0.9, None))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -253,20 +258,24 @@ def test_deprecated_reparametrize_layers_keeps_its_meaning() -> None:
     assert all(torch.equal(v, new.state_dict()[k]) for k, v in old.state_dict().items())
 
 
-def test_never_worse_than_weight_only_on_held_out_images() -> None:
+@pytest.mark.parametrize("key_dim", [4, "budget=0.2"])
+def test_never_worse_than_weight_only_on_held_out_images(key_dim) -> None:
     """The guard: a closed form worse than weight-only on the held-out images (here: fitted to one image repeated,
-    the class token that the head reads weighted 1e-6) is not returned; the weight-only conversion is, bit for bit."""
+    the class token that the head reads weighted 1e-6) is not returned; the weight-only conversion is, bit for bit,
+    also under a budget, which the whitened spectra spread differently from the weight spectra."""
     model = tiny_deit(2)
     with torch.no_grad():
         model.head.weight.mul_(6)
     one = images(1, seed=10).repeat(24, 1, 1, 1)
     calibration = torch.cat([one, images(8, seed=4)])  # the last 8 are held out
     guarded = copy.deepcopy(model)
-    reports = convert(guarded, 4, calibration, "fast", holdout=8, prefix_weight=1e-6, ridge=1e-8)
-    kl = reports.summary["candidates"]
+    reports = convert(guarded, key_dim, calibration, "fast", holdout=8, prefix_weight=1e-6, ridge=1e-8)
+    kl, dims = reports.summary["candidates"], reports.summary["candidate_key_dims"]
     assert kl["whitened"] > 2 * kl["weight"], kl  # the case: the closed form is worse on the held-out images
     assert reports.summary["chosen"] == "weight" and reports.summary["gain_over_weight_only"] == 0
-    weight_only = collab_vit.reparametrize(copy.deepcopy(model), 4, progress=False)
+    if key_dim != 4:
+        assert dims["weight"] != dims["whitened"] and sum(dims["weight"]) == sum(dims["whitened"]) == 9, dims
+    weight_only = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
     assert all(torch.equal(v, weight_only.state_dict()[k]) for k, v in guarded.state_dict().items())
 
 

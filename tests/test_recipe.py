@@ -75,7 +75,8 @@ def test_prefix_weight_counts_the_class_token_w_times_on_the_query_side() -> Non
     reports = convert(tiny_deit(), 3, images(8), "fast")  # the default rule: "balanced"
     assert reports.summary["prefix_weight"] == 16.0  # 16 patches / 1 class token
     # energy thresholds read the unweighted whitened spectrum (the weighted one is the class token's)
-    dims = [[r.key_dim for r in convert(tiny_deit(), 0.9, images(8), "fast", prefix_weight=w)] for w in (1.0, 50.0)]
+    dims = [convert(tiny_deit(), 0.9, images(8), "fast", prefix_weight=w).summary["candidate_key_dims"]["whitened"]
+            for w in (1.0, 50.0)]
     assert dims[0] == dims[1]
     for bad in (0.0, -1.0, float("inf"), "x", True):
         with pytest.raises(ValueError, match="prefix_weight must be a positive finite number or 'balanced'"):

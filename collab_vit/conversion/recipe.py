@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
 from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitened_spectrum, whitening
-from .decompose import relative_error
+from .decompose import energy_spectrum, relative_error
 from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
 from .refine import mean_kl, refine_logits
@@ -90,6 +90,22 @@ def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
     setattr(model.get_submodule(parent), child, layer)
 
 
+def start_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec, moments: list, ridge: float,
+               prefix_weight: float) -> tuple[dict[str, list[int]], str]:
+    """Each start's key dims: a threshold or budget reads the weight spectra for the weight-only start (so that
+    candidate is the weight-only conversion itself) and the whitened ones for the whitened start (thresholds weigh
+    every token alike, as measured; budgets use the class-token weighting of the fit)."""
+    full = [a.num_heads * a.head_dim for _, a in layers]
+    if not isinstance(spec, (float, Budget)):
+        dims, dims_from = key_dims(spec, full, [])
+        return {start: dims for start in STARTS}, dims_from
+    weights = [energy_spectrum(*head_factors(attn))[0] for _, attn in layers]
+    white = [whitened_spectrum(*head_factors(attn), whitening(m, ridge, prefix_weight if isinstance(spec, Budget)
+                                                               else 1.0)) for (_, attn), m in zip(layers, moments)]
+    (by_weight, dims_from), (by_white, _) = key_dims(spec, full, weights), key_dims(spec, full, white)
+    return {"weight": by_weight, "whitened": by_white}, dims_from
+
+
 @dataclass
 class Candidate:
     name: str
@@ -101,8 +117,8 @@ class Candidate:
 def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyDimSpec, method: str, images: Tensor,
                effort: str, seed: int, progress: bool, recipe: Recipe
                ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
-    """Fit, refine and measure the candidates at the key dims of ``spec`` (thresholds and budgets read the whitened
-    spectra); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for the report's
+    """Fit, refine and measure the candidates at the key dims of ``spec`` (thresholds and budgets: each start's own
+    spectra, ``start_dims``); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for the report's
     output errors) and a summary (key dims, candidates, held-out KL, which won, by how much)."""
     fit = split(images.shape[0], recipe.holdout)
     held_images = images[fit:] if fit < images.shape[0] else images
@@ -121,12 +137,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     if weight == "balanced" and patches is None:
         weight = 1.0  # the rule needs the patch count; without it every token counts alike
     weight = prefix_weight_for(weight, prefix_tokens(model), patches)
-    spec = as_spec(spec)
-    spectra = []
-    if isinstance(spec, (float, Budget)):  # thresholds: every token alike (as measured); budgets: the rule's weight
-        spectra = [whitened_spectrum(*head_factors(attn), whitening(m, recipe.ridge, weight if isinstance(
-            spec, Budget) else 1.0)) for (_, attn), m in zip(layers, moments)]
-    dims, dims_from = key_dims(spec, [a.num_heads * a.head_dim for _, a in layers], spectra)
+    dims, dims_from = start_dims(layers, as_spec(spec), moments, recipe.ridge, weight)
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     starts = [s for s in STARTS if pinned is None or any(c.split("+")[0] == s for c in pinned)]
     originals = [attn for _, attn in layers]
@@ -145,7 +156,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     with torch.autocast(device_type, enabled=False):  # the fits, the refinement and the measures at full precision
         for start_name in starts:
             fits = []
-            for (_, attn), rank, layer_moments in zip(layers, dims, moments):
+            for (_, attn), rank, layer_moments in zip(layers, dims[start_name], moments):
                 sides = whitening(layer_moments, recipe.ridge, weight) if start_name == "whitened" else None
                 fits.append(fit_attention(attn, rank, method, sides, **options))
                 bar.update()
@@ -177,7 +188,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     summary = {
         "images_fit": fit, "images_held_out": images.shape[0] - fit,
         "measured_on": "held-out calibration images" if fit < images.shape[0] else "the fitting images (one image)",
-        "key_dims_from": dims_from if dims_from == "given" else f"{dims_from} (whitened spectra)", "effort": effort,
+        "key_dims_from": dims_from if dims_from == "given" else f"{dims_from} ({best.name.split('+')[0]} spectra)",
+        "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
         "prefix_weight": weight, "ridge": recipe.ridge, "amp": recipe.amp,
         "peak_token_bytes": peak, "capture_seconds": captured, "refine_steps": steps if refined else 0,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
