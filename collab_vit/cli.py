@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", choices=list(EFFORTS), default="default",
                       help="fast: closed forms only; default: the better one refined (steps proportional to the "
-                      "images); thorough: both refined")
+                      "images)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")

@@ -5,9 +5,9 @@
 Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fashion-MNIST test images:
 
 * ``weight``: the weight-only Tucker conversion;
-* ``recipe`` (``recipe-fast``, ``recipe-thorough``): what ``collab_vit.reparametrize(model, K, calibration=images,
+* ``recipe`` (``recipe-fast``): what ``collab_vit.reparametrize(model, K, calibration=images,
   effort=...)`` gives: the candidates below measured on held-out calibration images, the best kept, never worse there
-  than weight-only;
+  than weight-only; ``recipe-thorough``: the same with both starts refined (the removed ``effort="thorough"``);
 * its candidates alone: ``data`` (the whitened closed form, the class token weighted by the "balanced" rule),
   ``weight+refine`` / ``data+refine`` (then the label-free refinement, steps from the images as the recipe's);
 * ``cut`` / ``cut-white``: the baseline a user would otherwise pick at the same q/k budget, the standard layer cut
@@ -141,8 +141,9 @@ def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: to
     return fmean(errors)
 
 
-PINNED = {"data": ("whitened",), "weight+refine": ("weight+refine",), "data+refine": ("whitened+refine",)}
-EFFORT = {"recipe-fast": "fast", "recipe": "default", "recipe-thorough": "thorough"}
+PINNED = {"data": ("whitened",), "weight+refine": ("weight+refine",), "data+refine": ("whitened+refine",),
+          "recipe-thorough": ("weight", "whitened", "weight+refine", "whitened+refine")}  # both refined (removed)
+EFFORT = {"recipe-fast": "fast", "recipe": "default"}
 COLUMN_ORDER = ["weight", "recipe-fast", "recipe", "recipe-thorough", "recipe-heldout", "data", "weight+refine",
                 "data+refine", "cut", "cut-white"]
 

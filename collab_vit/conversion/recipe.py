@@ -32,7 +32,7 @@ from .refine import mean_kl, refine_logits
 
 # effort: refinement passes over the fitting images (steps = passes x images / batch), and which starts are refined.
 # 80 passes: 280 steps for 224 fitting images at batch 64, where RESULTS.md (b) measured 300 steps; 1000 did no better.
-EFFORTS: dict[str, tuple[int, int]] = {"fast": (0, 0), "default": (80, 1), "thorough": (80, 2)}
+EFFORTS: dict[str, tuple[int, int]] = {"fast": (0, 0), "default": (80, 1)}  # "thorough" (both refined): RESULTS.md (b)
 STARTS = ("weight", "whitened")
 
 

@@ -142,8 +142,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
             model's input format. Then the recipe of RESULTS.md (b) runs: an eighth of them (1-32) held out, the
             weight-only fit, the whitened closed form and (by ``effort``) the label-free refinement measured there by
             the KL of the outputs to the source's, the best kept, never one worse than weight-only.
-        effort: ``"fast"`` (closed forms only), ``"default"`` (the better one refined: 80 passes over the fitting
-            images, steps proportional to their number) or ``"thorough"`` (both refined).
+        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: 80 passes over the fitting
+            images, steps proportional to their number).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
         device: move the model there first (the forward passes and the refinement run there; the decompositions on
             the CPU).
