@@ -95,15 +95,20 @@ def start_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec, moments: l
     """Each start's key dims: a threshold or budget reads the weight spectra for the weight-only start (so that
     candidate is the weight-only conversion itself) and the whitened ones for the whitened start (thresholds weigh
     every token alike, as measured; budgets use the class-token weighting of the fit)."""
-    full = [a.num_heads * a.head_dim for _, a in layers]
+    by_weight, dims_from = weight_dims(layers, spec)
     if not isinstance(spec, (float, Budget)):
-        dims, dims_from = key_dims(spec, full, [])
-        return {start: dims for start in STARTS}, dims_from
-    weights = [energy_spectrum(*head_factors(attn))[0] for _, attn in layers]
+        return {start: by_weight for start in STARTS}, dims_from
     white = [whitened_spectrum(*head_factors(attn), whitening(m, ridge, prefix_weight if isinstance(spec, Budget)
                                                                else 1.0)) for (_, attn), m in zip(layers, moments)]
-    (by_weight, dims_from), (by_white, _) = key_dims(spec, full, weights), key_dims(spec, full, white)
-    return {"weight": by_weight, "whitened": by_white}, dims_from
+    full = [a.num_heads * a.head_dim for _, a in layers]
+    return {"weight": by_weight, "whitened": key_dims(spec, full, white)[0]}, dims_from
+
+
+def weight_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec) -> tuple[list[int], str]:
+    """The weight-only conversion's key dims (thresholds and budgets read the weight spectra) and where they came
+    from: ``_weight_only`` and the recipe's weight-only candidate both take them from here."""
+    spectra = [energy_spectrum(*head_factors(a))[0] for _, a in layers] if isinstance(spec, (float, Budget)) else []
+    return key_dims(spec, [a.num_heads * a.head_dim for _, a in layers], spectra)
 
 
 @dataclass
@@ -118,8 +123,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
                effort: str, seed: int, progress: bool, recipe: Recipe
                ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
     """Fit, refine and measure the candidates at the key dims of ``spec`` (thresholds and budgets: each start's own
-    spectra, ``start_dims``); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for the report's
-    output errors) and a summary (key dims, candidates, held-out KL, which won, by how much)."""
+    spectra, ``start_dims``); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for
+    the report's output errors) and a summary (key dims, candidates, held-out KL, which won, by how much)."""
     fit = split(images.shape[0], recipe.holdout)
     held_images = images[fit:] if fit < images.shape[0] else images
     start = time.perf_counter()

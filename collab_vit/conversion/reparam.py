@@ -10,7 +10,6 @@ images, never worse than weight-only there.
 """
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
@@ -26,7 +25,7 @@ from .calibration import Calibration, TokenMoments, calibration_images, whitened
 from .capture import source_tokens
 from .decompose import energy_spectrum
 from .fit import METHODS, LayerFit, check_method, fit_attention, head_factors, layer_from_decomposition
-from .recipe import Recipe, calibrated, check_effort
+from .recipe import Recipe, calibrated, check_effort, weight_dims
 from .support import all_or_nothing, attention_forms
 
 __all__ = ["Budget", "ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
@@ -193,9 +192,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
                  probe: Optional[torch.Tensor], seed: int, progress: bool, options: dict) -> ConversionReport:
     """The weight-only conversion (thresholds and budgets read the weight spectra), output errors on the tokens of
     ``probe`` images (default 2 random ones)."""
-    spec = as_spec(key_dim)
-    spectra = [energy_spectrum(*head_factors(a))[0] for _, a in layers] if isinstance(spec, (float, Budget)) else []
-    dims, dims_from = key_dims(spec, [a.num_heads * a.head_dim for _, a in layers], spectra)
+    dims, dims_from = weight_dims(layers, as_spec(key_dim))
     if dims_from != "given":
         dims_from += " (weight spectra)"
     if probe is None:
