@@ -57,6 +57,13 @@ def assert_all_within(got: list[torch.Tensor], ref: list[torch.Tensor], k: float
         assert_within(a, b, k, dtype, what=f"result {i}")
 
 
+def assert_stored_within(got: torch.Tensor, stored: torch.Tensor, k: float, what: str = "") -> None:
+    """A float32 result against the same computation stored by another machine (a file in ``tests/data/``): each is
+    within ``k u`` of the exact value relative to its scale, whatever CPU and BLAS computed it, so the two are within
+    ``2 k u`` of each other. Bit equality holds only on the CPU that wrote the file."""
+    assert_within(got, stored, 2 * k, what=what or "against the stored result")
+
+
 def float64_kwargs(kwargs: dict) -> dict:
     """A layer call's keyword arguments with every floating-point tensor (an additive mask) in float64."""
     return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
