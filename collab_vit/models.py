@@ -11,7 +11,8 @@ timm's ``deit.py``:
 * ``collab_vit_converted`` -- a timm model converted to collaborative attention, as its file or folder records it
   (``conversion/record.py``): the source's timm name (``source_model``) and keyword arguments, and per converted
   layer its collaborative class and key dim (``collaborative_layers``); what ``collab_vit.save_pretrained`` and
-  ``collab-vit convert`` name for a converted model that is not a timm DeiT;
+  ``collab-vit convert`` name for a converted model that is not a timm DeiT; with no record (timm's sweeps over
+  every registered name), timm's ViT-B/16 with every attention layer collaborative at full rank;
 * ``collab_vit_generic`` -- any timm ViT design (the keyword arguments of timm's ``VisionTransformer``) with
   collaborative or cut attention, ``key_dim`` an int or one per block (what version 0.2 saved converted models as;
   its folders still load).
@@ -90,6 +91,18 @@ COLLAB_MODELS: list[str] = [collab_name(s) for s in DEIT_ARCHS] + [
 CONCAT_MODELS: list[str] = [concat_name(s) for s in DEIT_ARCHS] + [
     concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
 
+DEFAULT_SOURCE = "vit_base_patch16_224"  # what collab_vit_converted converts when no record names a source
+
+
+def _source_cfg(source: str) -> dict[str, Any]:
+    """The source's pretrained cfg (its evaluation pipeline and input size) without its weights' locations."""
+    cfg = get_pretrained_cfg(source)
+    cfg = {} if cfg is None else cfg.to_dict()
+    for key in ("url", "hf_hub_id", "hf_hub_filename", "file", "state_dict", "source", "tag"):
+        cfg.pop(key, None)
+    return {**cfg, "architecture": CONVERTED_MODEL}
+
+
 # timm's DeiT ImageNet-1k weights, converted on load (collab_vit.conversion.pretrained); key dim from the keyword.
 DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k",
                            url=f"https://dl.fbaipublicfiles.com/deit/deit_{size}_patch16_224-{sha}.pth")
@@ -98,7 +111,7 @@ default_cfgs = generate_default_cfgs({
     **{f"{name}.fb_in1k": _cfg(**DEIT_WEIGHTS[name.split("_")[2]], **deit_eval_cfg(name.split("_")[2]))
        for name in COLLAB_MODELS},
     **{name: _cfg() for name in CONCAT_MODELS + [GENERIC_MODEL]},
-    CONVERTED_MODEL: {},  # the source's cfg (``_source_cfg``)
+    CONVERTED_MODEL: {k: v for k, v in _source_cfg(DEFAULT_SOURCE).items() if k != "architecture"},  # the default build
 })
 OWN_MODELS: list[str] = COLLAB_MODELS + CONCAT_MODELS + [GENERIC_MODEL, CONVERTED_MODEL]
 
@@ -341,16 +354,7 @@ def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransf
                    file_read=pretrained, **kwargs)
 
 
-def _source_cfg(source: str) -> dict[str, Any]:
-    """The source's pretrained cfg (its evaluation pipeline and input size) without its weights' locations."""
-    cfg = get_pretrained_cfg(source)
-    cfg = {} if cfg is None else cfg.to_dict()
-    for key in ("url", "hf_hub_id", "hf_hub_filename", "file", "state_dict", "source", "tag"):
-        cfg.pop(key, None)
-    return {**cfg, "architecture": CONVERTED_MODEL}
-
-
-def _converted_source(source: str, layers: dict[str, dict[str, Any]], **kwargs: Any) -> nn.Module:
+def _converted_source(source: str, layers: Optional[dict[str, dict[str, Any]]], **kwargs: Any) -> nn.Module:
     return swap_layers(timm.create_model(source, **kwargs), layers)
 
 
@@ -362,13 +366,15 @@ def collab_vit_converted(pretrained: bool = False, **kwargs) -> nn.Module:
     collaborative class, "key_dim": k}}``) and the source's own keyword arguments. The source's architecture is
     created without its weights, its attention layers are swapped for collaborative ones of the recorded key dims
     (``conversion/record.py``), then ``pretrained`` weights (a ``local-dir:`` / ``hf-hub:`` folder, or a converted
-    file given as ``pretrained_cfg_overlay=dict(file=...)``) are loaded.
+    file given as ``pretrained_cfg_overlay=dict(file=...)``) are loaded. Without a record, as timm's model sweeps
+    call it: ``source_model`` defaults to timm's ViT-B/16 (``vit_base_patch16_224``) and ``collaborative_layers``
+    to every attention layer of the source at its full rank (randomly initialised, as any model without weights).
     """
     if pretrained:
         _file_architecture(kwargs)  # a converted file's recorded keywords
-    source, layers = kwargs.pop(SOURCE, None), kwargs.pop(LAYERS, None)
+    source, layers = kwargs.pop(SOURCE, DEFAULT_SOURCE), kwargs.pop(LAYERS, None)
     if not isinstance(source, str) or ":" in source or source in OWN_MODELS or not timm.is_model(source) or \
-            not isinstance(layers, dict):
+            not isinstance(layers, (dict, type(None))):
         raise ValueError(f"{CONVERTED_MODEL} needs {SOURCE} (a timm model name, got {source!r}) and {LAYERS} (one "
                          f"entry per converted layer), as a converted file or folder records them")
     kwargs["pretrained_cfg"] = kwargs.get("pretrained_cfg") or _source_cfg(source)

@@ -7,11 +7,9 @@ import pytest
 import torch
 
 import collab_vit  # noqa: F401  (registers the models with timm before any test module is collected)
-from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS
+from timm_upstream import SUITE_DIR, fetch_suite, hub_reachable, our_models, remove_stale_suites
 
-from timm_upstream import SUITE_DIR, fetch_suite, hub_reachable, remove_stale_suites
-
-OUR_MODELS = set(COLLAB_MODELS + CONCAT_MODELS)
+OUR_MODELS = set(our_models())  # every name the package registers, from timm's registry
 # Needs timm's pretrained weights from the Hugging Face hub; skipped (with this reason) when the hub is unreachable.
 NETWORK_TESTS = {"test_model_load_pretrained": "downloads pretrained weights from the Hugging Face hub"}
 # timm's own note: "no marker, slow (prunes every model at every feature index)". At 224 px it takes minutes per

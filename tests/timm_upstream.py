@@ -19,11 +19,21 @@ from typing import Optional
 
 import timm
 
+import collab_vit  # noqa: F401  (registers the models whose names the patch lists)
+
+
+def our_models() -> list[str]:
+    """Every name this package registers with timm, read from timm's registry (not a hand list): the names whose
+    entry point lives in ``collab_vit``."""
+    return sorted(name for name in timm.list_models()
+                  if timm.models.model_entrypoint(name).__module__.split(".")[0] == "collab_vit")
+
+
 SUITE_DIR = Path(__file__).parent / "timm_upstream_suite"
 ANCHOR = "NUM_NON_STD = len(NON_STD_FILTERS)"
 PATCH = (
     "# collab-vit: treat our models as timm treats its DeiTs (see tests/timm_upstream.py)\n"
-    "NON_STD_FILTERS += ['collab_deit_*', 'concat_deit_*']\n"
+    f"NON_STD_FILTERS += {our_models()!r}\n"
     "FEAT_INTER_FILTERS += ['models']\n"
 )
 
@@ -52,7 +62,7 @@ def fetch_suite(dest: Path = SUITE_DIR) -> tuple[Optional[Path], str]:
     """Write timm's patched ``test_models.py`` into ``dest``: ``(path, '')``, or ``(None, reason)`` when it cannot be
     had (offline with no cache). The unpatched source is cached, so the download happens once per timm version."""
     target = dest / f"test_timm_models_{timm.__version__.replace('.', '_')}.py"
-    if target.exists():
+    if target.exists() and PATCH + ANCHOR in target.read_text():  # else written by an older patch: rewritten
         return target, ""
     cached = cache_file()
     if not cached.exists():

@@ -65,11 +65,19 @@ def _collaborative_like(form: nn.Module, cls: type, key_dim: int) -> Collaborati
     return layer.train(form.training)
 
 
-def swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> nn.Module:
+def full_rank_record(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The record of ``model`` (a timm model) with every attention layer collaborative at its full rank
+    ``num_heads * head_dim``: what ``collab_vit_converted`` builds when no record is given."""
+    return {name: {"layer": COLLABORATIVE_FORM.get(type(form), CollaborativeAttention).__name__,
+                   "key_dim": form.num_heads * form.head_dim} for name, form in attention_forms(model)}
+
+
+def swap_layers(model: nn.Module, layers: Optional[dict[str, dict[str, Any]]]) -> nn.Module:
     """Swap the attention layers of ``model`` (a timm model built as the source) for the recorded collaborative
     ones (untrained: the weights are loaded after), in place; a one-line ``ValueError`` where the record does not
-    fit the model."""
+    fit the model. ``layers=None``: every attention layer at full rank (:func:`full_rank_record`)."""
     forms = dict(attention_forms(model))
+    layers = full_rank_record(model) if layers is None else layers
     if set(forms) != set(layers):
         raise ValueError(f"the record names the attention layers {sorted(layers)[:3]}..., the source has "
                          f"{sorted(forms)[:3]}... ({len(layers)} vs {len(forms)})")
