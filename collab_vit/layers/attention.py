@@ -22,6 +22,7 @@ from .construction import concatenate_factors, from_factors, split_qkv_heads
 from .attention_core import (CollaborativeCore, collaborative_logits, equal_head_dims, explicit_attend,
                              explicit_collaborative)
 from .dispatch import Path, select_path
+from .pickling import reduced_by
 from .sdpa_layout import folded_layout, head_queries, shared_keys
 
 MixingInit = Literal["concatenate", "random"]
@@ -389,9 +390,17 @@ def attention_class(base: Type[nn.Module], key_dim: int, mixing_init: Optional[M
     def __init__(self, dim: int, *args, **kwargs) -> None:
         base.__init__(self, dim, *args, **{**kwargs, **fixed})
 
-    cls = type(f"{base.__name__}{suffix}", (base,), {"__init__": __init__, "__module__": base.__module__})
-    globals()[cls.__name__] = cls  # importable by name, so full-module pickling works
+    cls = type(f"{base.__name__}{suffix}", (base,), {"__init__": __init__, "__module__": base.__module__,
+                                                      "__reduce_ex__": reduced_by(attention_class, base, key_dim,
+                                                                                mixing_init)})
+    globals()[cls.__name__] = cls  # importable by name in this process too
     return cls
+
+
+@lru_cache(maxsize=None)
+def _built_per_block(base: Type[nn.Module], mixing_init: Optional[MixingInit]) -> type:
+    """The per-block class of ``base`` an unpickled layer gets: its key dim is in its state; it builds no more."""
+    return per_block_attention_class(base, (), mixing_init)
 
 
 def per_block_attention_class(base: Type[nn.Module], key_dims: tuple, mixing_init: Optional[MixingInit] = None) -> type:
@@ -411,4 +420,5 @@ def per_block_attention_class(base: Type[nn.Module], key_dims: tuple, mixing_ini
         base.__init__(self, dim, *args, **{**kwargs, **extra})
 
     return type(f"{base.__name__}PerBlock", (base,), {
-        "__init__": __init__, "__module__": base.__module__, "remaining": staticmethod(lambda: len(pending))})
+        "__init__": __init__, "__module__": base.__module__, "remaining": staticmethod(lambda: len(pending)),
+        "__reduce_ex__": reduced_by(_built_per_block, base, mixing_init)})

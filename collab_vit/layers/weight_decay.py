@@ -17,6 +17,7 @@ import torch.nn as nn
 from timm.models import VisionTransformer
 
 from .attention import CollaborativeAttention
+from .pickling import reduced_by
 
 
 def mixing_names(model: nn.Module) -> set[str]:
@@ -45,8 +46,9 @@ def no_decay_class(cls: type) -> type:
         return cls
     if cls is VisionTransformer:
         return CollabVisionTransformer
-    named = type(f"Collab{cls.__name__}", (MixingNoDecay, cls), {"__module__": __name__})
-    globals()[named.__name__] = named  # importable by name, so full-module pickling works
+    named = type(f"Collab{cls.__name__}", (MixingNoDecay, cls), {"__module__": __name__,
+                                                                 "__reduce_ex__": reduced_by(no_decay_class, cls)})
+    globals()[named.__name__] = named  # importable by name in this process too
     return named
 
 
