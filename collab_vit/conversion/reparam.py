@@ -214,7 +214,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
     return ConversionReport(reports)
 
 
-REMOVED = {  # options that lost in RESULTS.md (b) (commit c2a1b61 has them): one line each
+REMOVED = {  # options that lost in RESULTS.md (b) (which names the commit that still has them): one line each
     "capture": ("sequential", "capture='sequential' was removed: within noise of the source tokens (RESULTS.md (b), "
                 "commit c2a1b61)"),
     "refine_loss": ("attention-kl", "refine_loss other than 'model-kl' was removed: the layer-wise losses lost to it "
