@@ -1,12 +1,15 @@
 """Prose that cannot age: no timing, ratio, date or commit in the package's docstrings and comments (they live in
 benchmarks/ and RESULTS.md); docs/testing.md's layout names every module of the package and no other; the docs
-name the converter ``reparametrize``."""
+name the converter ``reparametrize``; experiments/ and benchmarks/ use only public names of the package that exist."""
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import io
 import re
 import tokenize
+import types
 from pathlib import Path
 from typing import Iterator
 
@@ -94,3 +97,56 @@ def test_docs_name_the_converter_reparametrize() -> None:
     wrong = [where for where, text in texts for match in re.finditer(r"reparametrize_layers", text)
              if "deprecat" not in text[max(0, match.start() - 200):match.end() + 200].lower()]
     assert not wrong, f"these name the deprecated reparametrize_layers as the converter: {wrong}"
+
+
+def outside_import_fallbacks(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node, except inside ``except ImportError:`` handlers (code for older revisions of the package)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            fallback = isinstance(child, ast.ExceptHandler) and isinstance(child.type, ast.Name) and \
+                child.type.id in ("ImportError", "ModuleNotFoundError")
+            if not fallback:
+                stack.append(child)
+
+
+def package_names_used(path: Path) -> Iterator[tuple[int, types.ModuleType, str]]:
+    """(line, module, name) for each name of a ``collab_vit`` module that a script imports or reads."""
+    nodes = list(outside_import_fallbacks(ast.parse(path.read_text())))
+    aliases: dict[str, types.ModuleType] = {}
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "collab_vit":
+                    aliases[alias.asname or "collab_vit"] = importlib.import_module(
+                        alias.name if alias.asname else "collab_vit")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "collab_vit":
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                yield node.lineno, module, alias.name
+                value = getattr(module, alias.name, None)
+                if isinstance(value, types.ModuleType):
+                    aliases[alias.asname or alias.name] = value
+    for node in nodes:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            yield node.lineno, aliases[node.value.id], node.attr
+
+
+def exists(module: types.ModuleType, name: str) -> bool:
+    """Whether ``module.name`` is there: an attribute, or a submodule of a package not imported yet."""
+    return hasattr(module, name) or (hasattr(module, "__path__") and
+                                     importlib.util.find_spec(f"{module.__name__}.{name}") is not None)
+
+
+def test_experiments_and_benchmarks_use_public_names_that_exist() -> None:
+    wrong = []
+    for path in sorted([*(ROOT / "experiments").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
+        for line, module, name in package_names_used(path):
+            where = f"{path.relative_to(ROOT)}:{line}: {module.__name__}.{name}"
+            if name.startswith("_") and not name.startswith("__"):
+                wrong.append(f"{where} is private")
+            elif not exists(module, name):
+                wrong.append(f"{where} does not exist")
+    assert not wrong, "\n".join(wrong)
