@@ -24,7 +24,7 @@ from timm.layers import Attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from collab_vit import CollaborativeAttention
-from collab_vit.layers import attention, attention_core
+from collab_vit.layers import attention_core, dispatch
 from collab_vit.layers.attention_core import CollaborativeCore, equal_head_dims
 from measure import saved_activation_bytes
 
@@ -133,7 +133,7 @@ def layer_rows(repeats: int) -> list[str]:
         layers[f"collab k{key_dim} previous"] = (layer, True)
     rows = []
     for name, (layer, previous) in layers.items():
-        patch = mock.patch.object(attention, "CollaborativeCore", PreviousCore) if previous else nullcontext()
+        patch = mock.patch.object(dispatch, "CollaborativeCore", PreviousCore) if previous else nullcontext()
         with patch:
             def train() -> None:
                 layer(x).sum().backward()
@@ -148,7 +148,7 @@ def layer_rows(repeats: int) -> list[str]:
 
 
 class PreviousCore:
-    """Stands in for ``CollaborativeCore`` in ``attention.core_attend``: the path before it."""
+    """Stands in for ``CollaborativeCore`` in ``dispatch.core_attend``: the path before it."""
 
     @staticmethod
     def apply(q, mixing, k, v, mask, scale):

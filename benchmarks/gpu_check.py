@@ -42,7 +42,7 @@ from timm.layers import Attention  # noqa: E402
 
 import collab_vit  # noqa: E402,F401  (registers the models)
 from collab_vit import CollaborativeAttention, ConcatAttention  # noqa: E402
-from collab_vit.layers import attention  # noqa: E402
+from collab_vit.layers import dispatch  # noqa: E402
 from collab_vit.layers.dispatch import Path as Route  # noqa: E402
 from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys  # noqa: E402
 from measure import timed  # noqa: E402  (benchmarks/measure.py, beside this file)
@@ -239,11 +239,11 @@ def recomputing_folded_sdpa(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tens
         return head_queries(*shared) if packed is _Recompute else packed
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return attention.fused_attend(q2, shared_keys(k_ext, m_ext.shape[0]), v, scale, attn_mask, is_causal,
+        return dispatch.fused_attend(q2, shared_keys(k_ext, m_ext.shape[0]), v, scale, attn_mask, is_causal,
                                       dropout_p)
 
 
-ROUTES = {  # label: (route forced in dispatch.select_path, replacement of attention.folded_sdpa or None)
+ROUTES = {  # label: (route forced in dispatch.select_path, replacement of dispatch.folded_sdpa or None)
     "sdpa (CUDA default)": (Route.SDPA, None),
     "sdpa + recompute hook": (Route.SDPA, recomputing_folded_sdpa),
     "core (CPU default)": (Route.CORE, None),
@@ -255,9 +255,9 @@ def forced_route(label: str):
     """A context in which every ``CollaborativeAttention`` call takes the route ``label`` of ``ROUTES``."""
     path, folded = ROUTES[label]
     stack = ExitStack()
-    stack.enter_context(mock.patch.object(attention, "select_path", lambda *args: path))
+    stack.enter_context(mock.patch.object(dispatch, "select_path", lambda *args: path))
     if folded is not None:
-        stack.enter_context(mock.patch.object(attention, "folded_sdpa", folded))
+        stack.enter_context(mock.patch.object(dispatch, "folded_sdpa", folded))
     return stack
 
 

@@ -1,6 +1,6 @@
 """Whole-model post-hoc re-parametrisation of DeiT-B (paper section 3.3): ours vs the paper's reference procedure.
 
-One run measures, for every key dim and both methods of ``collab_vit.reparametrize_layers`` ("tucker", "cp"), the time to
+One run measures, for every key dim and both methods of ``collab_vit.reparametrize`` ("tucker", "cp"), the time to
 swap all 12 attention layers and the errors of the result, on two sets of weights:
 
 * random: ``timm.create_model("deit_base_patch16_224")`` as initialised (no cross-head structure; time only);
@@ -11,7 +11,7 @@ The reference is the procedure of the paper's code: the dense tensor ``T[i] = Wq
 ``parafac(T, rank=key_dim, init="random", tol=1e-6)`` with tensorly's default iteration cap (pytorch backend),
 factors in mode order (heads, D, D) = (mixing, query, key), CP weights multiplied into the mixing. It runs on the
 first ``--reference-layers`` planted layers per key dim (it takes minutes per layer); its 12-layer time is that
-times 12 / layers, marked as extrapolated. Its attention-output error is measured exactly as ``convert`` measures
+times 12 / layers, marked as extrapolated. Its attention-output error is measured exactly as ``reparametrize`` measures
 its own: the collaborative layer and the original one on the tokens the original model feeds that layer for the
 same probe images (2 random images, seed 0). Every decomposition runs on one thread.
 
@@ -37,11 +37,13 @@ import torch
 from measure import replace_marked_block
 from collab_vit.conversion import decompose as dec
 from collab_vit.conversion import reparam
+from collab_vit.conversion.capture import source_tokens
+from collab_vit.conversion.fit import single_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decompose_bench import planted_layer  # noqa: E402
 
-PROBE_SEED = 0  # convert's default seed, which also seeds its probe images
+PROBE_SEED = 0  # reparametrize's default seed, which also seeds its probe images
 REFERENCE_SEED = 0  # numpy global seed before each parafac (tensorly's random init draws from it)
 
 
@@ -61,23 +63,22 @@ def planted_model(name: str) -> torch.nn.Module:
 
 
 def probe_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tokens each attention layer sees on ``convert``'s default probe (same images, same capture)."""
+    """The tokens each attention layer sees on ``reparametrize``'s default probe (same images, same capture)."""
     layers = reparam.timm_attention_layers(model)
     probe = torch.randn(2, *reparam.probe_input_size(model), generator=torch.Generator().manual_seed(PROBE_SEED))
-    return reparam._capture_inputs(model, layers, probe)
+    _, held, _, _ = source_tokens(model.eval(), layers, probe, 0, probe.shape[0])
+    return {name: tokens for (name, _), tokens in zip(layers, held)}
 
 
 def output_error(attn, decomposition: dec.Decomposition, tokens: torch.Tensor) -> float:
-    """||attn~(x) - attn(x)|| / ||attn(x)||, as ``convert`` computes it."""
-    layer = reparam.layer_from_decomposition(attn, decomposition)
-    with torch.no_grad():
-        return reparam._relative(layer.eval()(tokens), attn.eval()(tokens))
+    """||attn~(x) - attn(x)|| / ||attn(x)||, as ``reparametrize`` computes it."""
+    return reparam.output_error(reparam.layer_from_decomposition(attn, decomposition), attn, tokens)
 
 
 def run_ours(model: torch.nn.Module, weights: str, key_dim: int, method: str) -> dict:
     m = copy.deepcopy(model)
     start = time.perf_counter()
-    reports = reparam.convert(m, key_dim, method, seed=PROBE_SEED, progress=True)
+    _, reports = reparam.reparametrize(m, key_dim, method, seed=PROBE_SEED, progress=True, return_report=True)
     wall = time.perf_counter() - start
     tensor = [r.tensor_error for r in reports]
     out = [r.output_error for r in reports]
@@ -100,7 +101,7 @@ def run_reference(model: torch.nn.Module, inputs: dict, key_dim: int, n_layers: 
     for name, attn in layers[:n_layers]:
         wq, wk = dec.split_qkv_heads(attn.qkv.weight.detach(), attn.num_heads)
         np.random.seed(REFERENCE_SEED)
-        with reparam.single_thread():
+        with single_thread():
             start = time.perf_counter()
             t_dense = dec.dense_tensor(wq.float(), wk.float())
             (weights, (mixing, query, key)), errors = parafac(t_dense, rank=key_dim, init="random", tol=1e-6,
@@ -155,7 +156,7 @@ def markdown(args, rows: list[dict], baselines: dict, notes: list[str], total: f
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), torch "
         f"{torch.__version__}, timm {timm.__version__}; every decomposition on 1 thread "
         f"(`torch.set_num_threads(1)`); load average (1 min) {loads[0]:.2f} at start, {loads[1]:.2f} at end  ",
-        f"Model: `{args.model}`, {n_layers} attention layers; ours with `convert` defaults "
+        f"Model: `{args.model}`, {n_layers} attention layers; ours with `reparametrize` defaults "
         "(`max_iter=100, tol=1e-6`, float64, seed 0).",
         "",
         "Weights: *random* = timm's initialisation (no cross-head structure: it measures time only); *planted* = "
@@ -169,7 +170,7 @@ def markdown(args, rows: list[dict], baselines: dict, notes: list[str], total: f
            "; it returned CP weights other than 1, multiplied into the mixing."),
         "",
         "Seconds: for ours, the sum over layers of the decomposition time, and in brackets the wall time of the "
-        "whole `convert` call (probe forward and output errors included). Tensor error: ||T - T~|| / ||T||; "
+        "whole `reparametrize` call (probe forward and output errors included). Tensor error: ||T - T~|| / ||T||; "
         "attention-output error: ||attn~(x) - attn(x)|| / ||attn(x)|| on the tokens each layer sees for 2 random "
         "probe images (the same tokens for the reference).",
         "",
@@ -194,8 +195,8 @@ def targets(rows: list[dict], n_ref: int) -> list[str]:
     if t is not None:
         ok = t["wall"] <= 60
         notes.append(f"- (a) speed: tucker, random weights, key dim 384, all {t['layers']} layers: "
-                     f"{t['seconds']:.1f} s of decompositions, {t['wall']:.1f} s wall for the whole `convert` call, "
-                     f"target <= 60 s: **{'met' if ok else 'NOT met'}**.")
+                     f"{t['seconds']:.1f} s of decompositions, {t['wall']:.1f} s wall for the whole `reparametrize` "
+                     f"call, target <= 60 s: **{'met' if ok else 'NOT met'}**.")
     ref = find("planted", 384, "reference")
     if ref is not None:
         for method in ("tucker", "cp"):

@@ -43,8 +43,8 @@ from collab_vit.conversion.refine import mean_kl
 from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
 from collab_vit.conversion.files import load_source
 from collab_vit.conversion.recipe import Recipe, split
-from collab_vit.conversion.reparam import (_output_error, convert_model, layer_from_decomposition, probe_input_size,
-                                           timm_attention_layers)
+from collab_vit.conversion.reparam import (convert_model, layer_from_decomposition, output_error,
+                                           probe_input_size, timm_attention_layers)
 
 HELD_OUT = 64
 
@@ -88,7 +88,7 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
         layer = layer_from_decomposition(attn, Decomposition(cut.query.float(), cut.key.float(), cut.mixing.float(),
                                                              err, 0))
         rows.append({"name": name, "key_dim": nh * r, "tensor_error": err,
-                     "output_error": _output_error(layer, attn, held_tokens[index])})
+                     "output_error": output_error(layer, attn, held_tokens[index])})
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
     return rows

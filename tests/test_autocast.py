@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.layers import attention
+from collab_vit.layers import dispatch
 from collab_vit.layers.attention_core import core_forward
 from collab_vit.layers.dispatch import Path
 from numerics import assert_within
@@ -92,7 +92,7 @@ def test_autocast_matches_float32_explicit(path: Path, key_dim: int, qkv_bias: b
     layer = random_layer(key_dim, qkv_bias)
     x = torch.randn(2, TOKENS, DIM)
     reference = explicit_reference(layer, x, **mask_kwargs(mask))
-    monkeypatch.setattr(attention, "select_path", lambda *args: path)
+    monkeypatch.setattr(dispatch, "select_path", lambda *args: path)
     got = outputs_and_grads(layer, x, True, **mask_kwargs(mask))
     assert got[0].dtype == torch.bfloat16  # autocast's compute dtype reaches the output projection
     assert_within_rounding(got, reference, torch.bfloat16)
@@ -143,7 +143,7 @@ def test_no_per_head_query_tensor_in_float32(path: Path, key_dim: int, monkeypat
     (e = N), per-head values or outputs (e = head dim, the size of the layer's output) and row statistics (e = 1)
     are the softmax statistics and accumulations the layer keeps in float32."""
     layer = random_layer(key_dim, True).train()
-    monkeypatch.setattr(attention, "select_path", lambda *args: path)
+    monkeypatch.setattr(dispatch, "select_path", lambda *args: path)
     x = torch.randn(2, TOKENS, DIM, requires_grad=True)
     recorder = CreatedTensors()
     with recorder:

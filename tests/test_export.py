@@ -1,5 +1,6 @@
 """Deployment exports compute the model: both ONNX exporters (run by onnxruntime), ``torch.export`` and a saved
-``torch.jit.trace``, each at two batch sizes (docs/performance.md: graph capture takes ``sdpa``).
+``torch.jit.trace``, each at two batch sizes (``collab_vit/layers/dispatch.py``: graph capture on the CPU takes
+``explicit``).
 
 The TorchScript-based exporters used to trace the CPU core (an autograd Function): the ONNX graph had no attention
 (logits off by 0.9 of their max) and a traced module could not be saved. Bound: the issue's acceptance criterion,

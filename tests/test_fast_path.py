@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.layers import attention, attention_core
+from collab_vit.layers import attention_core, dispatch
 from collab_vit.layers.attention_core import CollaborativeCore, batch_chunks
 from collab_vit.layers.dispatch import Path
 from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys
@@ -227,7 +227,7 @@ def test_folded_layout_is_eq5(key_dim: int, with_content: bool) -> None:
 
 
 def force_path(monkeypatch, path: Path) -> None:
-    monkeypatch.setattr(attention, "select_path", lambda *args: path)
+    monkeypatch.setattr(dispatch, "select_path", lambda *args: path)
 
 
 @pytest.mark.parametrize("key_dim", [6, 30, 96])

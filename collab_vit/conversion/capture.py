@@ -4,7 +4,7 @@
 attention, i.e. the output of ``block.norm1`` in a ViT); the moments of the fitting images are streamed batch by
 batch (nothing but D x D sums is kept) and only the held-out images' tokens are stored.
 (Sequential capture, from the partially converted model, was measured within noise of it and removed: RESULTS.md
-(b), commit c2a1b61.)
+(b).)
 """
 from __future__ import annotations
 

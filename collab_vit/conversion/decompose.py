@@ -65,7 +65,7 @@ _STABLE_BELOW = 1e-4
 _COARSE = 1e-2
 
 # tucker_decompose ends with this many CP-ALS sweeps on the full (factored) tensor, which let the factors leave
-# the Tucker subspaces: at R = 192 on the benchmark layer they take the error from 0.5319 to 0.5274.
+# the Tucker subspaces (their effect on the benchmark layer: benchmarks/decompose_notes.md).
 _REFINE_SWEEPS = 5
 
 
@@ -580,8 +580,8 @@ def parafac_decompose(
     init="random", tol=tol, n_iter_max=max_iter, random_state=seed)`` (CP-ALS from a random start) with the pytorch
     backend in ``dtype``. The CP weights tensorly returns are folded into the mixing matrix (the paper's code drops
     them; they are 1 unless tensorly normalises), and the components are scaled and ordered as ``cp_decompose``'s
-    (same tensor, balanced factors). Memory and time grow with ``Nh * D^2 * rank``: for one DeiT-B
-    layer at rank 384 about 100x slower than ``tucker_decompose`` (``benchmarks/reparam.md``).
+    (same tensor, balanced factors). Memory and time grow with ``Nh * D^2 * rank``, far beyond
+    ``tucker_decompose``'s (timings: ``benchmarks/reparam.md``, ``benchmarks/decompose_notes.md``).
     """
     import tensorly as tl
     from tensorly.decomposition import parafac

@@ -87,8 +87,8 @@ def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
 
 @contextmanager
 def single_thread() -> Iterator[None]:
-    """Run the decomposition on one thread: its matrices are small (D x key_dim), and measured on 2 shared cores
-    one thread took 38 s for DeiT-B's 12 layers where two took 256 s (benchmarks/decompose_notes.md)."""
+    """Run the decomposition on one thread: its matrices are small (D x key_dim), and on shared cores OpenMP threads
+    that wait on each other cost more than they save (timings: benchmarks/decompose_notes.md)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -31,7 +31,7 @@ from .fit import LayerFit, fit_attention, head_factors
 from .refine import mean_kl, refine_logits
 
 # effort: refinement passes over the fitting images (steps = passes x images / batch), and which starts are refined.
-# 80 passes: 280 steps for 224 fitting images at batch 64, where RESULTS.md (b) measured 300 steps; 1000 did no better.
+# 80 passes: 280 steps for 224 fitting images at batch 64 (the step counts measured against it: RESULTS.md (b)).
 EFFORTS: dict[str, tuple[int, int]] = {"fast": (0, 0), "default": (80, 1)}  # "thorough" (both refined): RESULTS.md (b)
 STARTS = ("weight", "whitened")
 

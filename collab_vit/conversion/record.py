@@ -1,6 +1,6 @@
 """What the file or folder of a converted model records, and how the model is rebuilt from it.
 
-A timm model converted to collaborative attention (``reparametrize_layers``, ``collab-vit convert``) is recorded as
+A timm model converted to collaborative attention (``reparametrize``, ``collab-vit convert``) is recorded as
 its source: the source's timm name and keyword arguments and, for each converted layer, the collaborative class it
 became and its key dim. ``collab_vit_converted`` (``models.py``) creates the source's
 architecture without its weights, swaps those layers for collaborative ones (:func:`swap_layers`) and loads the

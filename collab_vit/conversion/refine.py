@@ -5,7 +5,7 @@ trained; content bias and everything outside attention stay fixed. The loss, no 
 ``KL(softmax(source outputs) || softmax(converted outputs))`` of the model's outputs (logits, or features for a model
 without a head), averaged over images (``refine_logits``); ``mean_kl`` is the same measure, which the calibrated
 recipe also uses to pick its candidate on held-out images. (Layer-wise losses and refining the values too were
-measured and lost: RESULTS.md (b), commit c2a1b61.)
+measured and lost: RESULTS.md (b).)
 
 Adam on random minibatches drawn from a seeded generator, so a run is deterministic given its seed on one device.
 The mean loss over all fitting images is evaluated before and after; if the steps made it worse (seen where the

@@ -29,7 +29,7 @@ from .recipe import Recipe, calibrated, check_effort, weight_dims
 from .support import all_or_nothing, attention_forms
 
 __all__ = ["Budget", "ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
-           "layer_from_decomposition", "METHODS"]
+           "layer_from_decomposition", "output_error", "METHODS"]
 
 
 @dataclass
@@ -111,7 +111,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def _output_error(layer: nn.Module, original: nn.Module, tokens: torch.Tensor) -> float:
+def output_error(layer: nn.Module, original: nn.Module, tokens: torch.Tensor) -> float:
+    """``||layer(x) - original(x)|| / ||original(x)||`` on ``tokens`` (B, N, D), both in eval mode (their train/eval
+    flags are put back): the attention-output error of a converted layer (``LayerReport.output_error``)."""
     device = next(layer.parameters()).device
     was = layer.training, original.training
     out, ref = layer.eval()(tokens.to(device)), original.eval()(tokens.to(device))
@@ -182,7 +184,7 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
         else "the fitting image (none held out)"
     reports = []
     for (name, attn), fitted, tokens in zip(layers, fits, held):
-        error = _output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
+        error = output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
         reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, fitted.seconds, where,
                                    summary["key_dims_from"]))
     return ConversionReport(reports, summary)
@@ -207,14 +209,14 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
     for (name, attn), rank, tokens in zip(tqdm(layers, desc=f"{method} re-parametrisation", disable=not progress),
                                           dims, held):
         fitted: LayerFit = fit_attention(attn, rank, method, None, seed=seed, **options)
-        output_error = _output_error(fitted.layer, attn, tokens)
+        error = output_error(fitted.layer, attn, tokens)
         _swap(model, name, fitted.layer)
-        reports.append(LayerReport(name, rank, fitted.tensor_error, output_error, fitted.seconds,
+        reports.append(LayerReport(name, rank, fitted.tensor_error, error, fitted.seconds,
                                    key_dim_from=dims_from))
     return ConversionReport(reports)
 
 
-REMOVED = {  # options that lost in RESULTS.md (b) (commit c2a1b61 has them): one line each
+REMOVED = {  # options that lost in RESULTS.md (b) (which names the commit that still has them): one line each
     "capture": ("sequential", "capture='sequential' was removed: within noise of the source tokens (RESULTS.md (b), "
                 "commit c2a1b61)"),
     "refine_loss": ("attention-kl", "refine_loss other than 'model-kl' was removed: the layer-wise losses lost to it "

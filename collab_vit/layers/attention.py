@@ -3,7 +3,8 @@
 Paper: Cordonnier, Loukas, Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (arXiv 2006.16362).
 Both layers are drop-in ``attn_layer`` classes for timm's ``VisionTransformer``: they take the keywords timm passes
 (``dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop, norm_layer, device, dtype``) and
-``forward(x, attn_mask=None, is_causal=False)`` with the semantics of timm's ``Attention``.
+``forward(x, attn_mask=None, is_causal=False)`` with the semantics of timm's ``Attention``. Which function computes
+the attention of a call, on each device: ``dispatch``.
 """
 
 import math
@@ -12,18 +13,15 @@ from typing import Literal, Optional, Type
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.jit import Final
 from timm.layers import Attention, use_fused_attn
-from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
-from timm.models import register_notrace_function
 
 from .construction import concatenate_factors, from_factors, split_qkv_heads
-from .attention_core import (CollaborativeCore, collaborative_logits, equal_head_dims, explicit_attend,
-                             explicit_collaborative)
-from .dispatch import Path, select_path
+from .attention_core import collaborative_logits, content_mask
+from .dispatch import attend, collaborative_attend
 from .pickling import reduced_by
-from .sdpa_layout import folded_layout, head_queries, shared_keys
+
+torch.fx.wrap("collaborative_attend")  # a leaf of plain torch.fx traces here too (its route is chosen when it runs)
 
 MixingInit = Literal["concatenate", "random"]
 MIXING_INITS = ("concatenate", "random")
@@ -51,127 +49,6 @@ def head_blocks(key_dim: int, num_heads: int) -> list[range]:
     """Split ``range(key_dim)`` into ``num_heads`` contiguous blocks of near-equal size (head i owns block i)."""
     bounds = [round(i * key_dim / num_heads) for i in range(num_heads + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(num_heads)]
-
-
-@torch.fx.wrap
-@register_notrace_function
-def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
-                 is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """``scaled_dot_product_attention``; on CPU head dims zero-padded to equal width for torch's flash kernel (exact).
-
-    A float mask is cast to q's dtype (SDPA refuses a float32 mask on bfloat16 queries).
-    """
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.to(q.dtype)
-    value_dim = v.shape[-1]
-    if q.device.type == "cpu":
-        q, k, v = equal_head_dims(q, k, v)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-    return out[..., :value_dim]
-
-
-def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        attn_mask: Optional[torch.Tensor],
-        is_causal: bool,
-        dropout_p: float,
-        fused: bool,
-) -> torch.Tensor:
-    """``softmax(q k^T * scale + mask) v`` per head, with the mask semantics of timm's ``Attention``.
-
-    ``fused`` goes through ``fused_attend`` (SDPA); otherwise the explicit product (same result).
-    """
-    if fused:
-        return fused_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
-    return explicit_attend(q, k, v, scale, attn_mask, is_causal, dropout_p)
-
-
-@torch.jit.unused
-def autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype autocast computes matmuls in on x's device, or x's own dtype outside autocast (or on a device
-    autocast does not know, such as ``meta``)."""
-    device = x.device.type
-    # torch.compile traces real devices; torch 2.9's tracer refuses is_autocast_available (fullgraph graph break)
-    known = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device)
-    if known and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of the attention products: autocast's (bfloat16, float16) if it is on, else x's (TorchScript: x's)."""
-    if torch.jit.is_scripting():
-        return x.dtype
-    return autocast_dtype(x)
-
-
-def content_mask(content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
-                 seq_len: int, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """The content bias ``scale * c_i . x_m`` as an additive (B, Nh, 1, N) mask, merged with the caller's mask.
-
-    Constant along a query row of head i; the merged mask follows timm's semantics (``is_causal`` wins).
-    """
-    if content is None:
-        return resolve_self_attn_mask(seq_len, like, attn_mask, is_causal)
-    bias = content.transpose(1, 2).unsqueeze(2) * scale  # (B, Nh, 1, N)
-    return maybe_add_mask(bias, resolve_self_attn_mask(seq_len, bias, attn_mask, is_causal))
-
-
-def folded_sdpa(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
-                dropout_p: float) -> torch.Tensor:
-    """The folded layout (``sdpa_layout``) through ``fused_attend``: the same function on every device, torch (or
-    the compiler) picks the kernel."""
-    q_ext, m_ext, k_ext = folded_layout(q, mixing, k, content)
-    q2, k2 = head_queries(q_ext, m_ext), shared_keys(k_ext, m_ext.shape[0])
-    return fused_attend(q2, k2, v, scale, attn_mask, is_causal, dropout_p)
-
-
-@torch.jit.unused
-def core_attend(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """``CollaborativeCore`` (eager only: graph capture never takes it)."""
-    return CollaborativeCore.apply(q, mixing, k, v, mask, scale)
-
-
-@torch.fx.wrap
-@register_notrace_function
-def collaborative_attend(
-        q: torch.Tensor,
-        mixing: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        content: Optional[torch.Tensor],
-        scale: float,
-        attn_mask: Optional[torch.Tensor],
-        is_causal: bool,
-        dropout_p: float,
-        fused: bool,
-) -> torch.Tensor:
-    """Eq. 5 attention of all heads: (B, Nh, N, dh), by the route ``dispatch.select_path`` names.
-
-    Shared queries/keys (B, N, D~k), mixing (Nh, D~k), values (B, Nh, N, dh), content scores ``c(x)`` (B, N, Nh)
-    or None. Inputs are first cast to the compute dtype (autocast's, else q's); so is a float mask. A leaf for
-    ``torch.fx`` (the route is chosen when the graph runs) and scriptable.
-    """
-    dtype = compute_dtype(q)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if content is not None:
-        content = content.to(dtype)
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.to(dtype)
-    capturing = torch.jit.is_scripting() or torch.compiler.is_compiling() or torch.jit.is_tracing()
-    path = select_path(q.device.type, fused, dropout_p, capturing)
-    if path == Path.SDPA:
-        return folded_sdpa(q, mixing, k, v, content, scale, attn_mask, is_causal, dropout_p)
-    mask = content_mask(content, scale, attn_mask, is_causal, q.shape[1], q)
-    if path == Path.CORE:
-        return core_attend(q, mixing, k, v, mask, scale)
-    return explicit_collaborative(q, mixing, k, v, mask, scale, dropout_p)
 
 
 class HeadOutput(nn.Module):

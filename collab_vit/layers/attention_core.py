@@ -77,12 +77,24 @@ def explicit_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return F.dropout(attn.softmax(dim=-1), dropout_p).to(v.dtype) @ v
 
 
+def content_mask(content: Optional[torch.Tensor], scale: float, attn_mask: Optional[torch.Tensor], is_causal: bool,
+                 seq_len: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The content bias ``scale * c_i . x_m`` as an additive (B, Nh, 1, N) mask, merged with the caller's mask.
+
+    Constant along a query row of head i; the merged mask follows timm's semantics (``is_causal`` wins).
+    """
+    if content is None:
+        return resolve_self_attn_mask(seq_len, like, attn_mask, is_causal)
+    bias = content.transpose(1, 2).unsqueeze(2) * scale  # (B, Nh, 1, N)
+    return maybe_add_mask(bias, resolve_self_attn_mask(seq_len, bias, attn_mask, is_causal))
+
+
 def collaborative_logits(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor],
                          scale: float) -> torch.Tensor:
     """Eq. 5's logits of every head, ``(B, Nh, N, N)`` in ``stats_dtype``: ``scale * (q diag(m_i)) k^T + mask``.
 
     ``q``, ``k``: shared queries and keys (B, N, D~k); ``mixing`` (Nh, D~k); ``mask``: additive, the content bias
-    ``scale * c_i . x_m`` included (``attention.content_mask``). The one written-out form of the logits: the explicit
+    ``scale * c_i . x_m`` included (``content_mask``). The one written-out form of the logits: the explicit
     route, the core's double backward, the layer's ``logits`` and the conversion's measures all come here.
     """
     return logits(mixed_queries(q, scaled_mixing(mixing, scale, q.dtype)), k, mask)
@@ -107,13 +119,24 @@ def logits(q_mixed: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor])
     return scores if mask is None else scores.add_(mask)
 
 
-def flash_forward(q_mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def flash_forward(q: torch.Tensor, mixing_scaled: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and row log-sum-exp from torch's CPU flash kernel, zero-padding head dims to equal width (exact)."""
+    """Output and row log-sum-exp of one chunk from torch's CPU flash kernel, zero-padding head dims to equal width
+    (exact). CPU flash keeps float32 statistics for 16-bit inputs and returns a float32 lse."""
     ev = v.shape[-1]
+    q_mixed = mixed_queries(q, mixing_scaled)
     q_mixed, keys, v = equal_head_dims(q_mixed, k.unsqueeze(1).expand(-1, q_mixed.shape[1], -1, -1), v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_mixed, keys, v, attn_mask=mask, scale=1.)
     return out[..., :ev], lse
+
+
+def grouped_forward(q: torch.Tensor, mixing_scaled: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and row log-sum-exp of one chunk by the grouped matmuls: the logits of all heads in one ``bmm``
+    (``logits``; the mixed queries are freed before the softmax), then ``exp(logits - lse) v``."""
+    scores = logits(mixed_queries(q, mixing_scaled), k, mask)
+    row_lse = torch.logsumexp(scores, dim=-1)
+    return scores.sub_(row_lse.unsqueeze(-1)).exp_().to(v.dtype) @ v, row_lse
 
 
 def batch_chunks(batch: int, heads: int, queries: int, keys: int) -> list[slice]:
@@ -132,8 +155,8 @@ def mask_rows(mask: Optional[torch.Tensor], rows: slice, batch: int) -> Optional
 
 def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output (B, Nh, N, dh) and row log-sum-exp (B, Nh, N): CPU flash where it pays and exists, else the
-    grouped matmuls.
+    """Attention output (B, Nh, N, dh) and row log-sum-exp (B, Nh, N): ``flash_forward`` on CPU where it pays and
+    exists, else ``grouped_forward`` (``dispatch``'s table).
 
     Works through the batch in chunks (``batch_chunks``). The output is laid out as (B, N, Nh, dh), so merging the
     heads afterwards is a view: autograd then saves one tensor (this output) where it would save two.
@@ -146,16 +169,9 @@ def core_forward(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, v: torc
     lse = q.new_empty(B, H, N, dtype=stats_dtype(q.dtype))
     use_flash = CPU_FLASH and q.device.type == "cpu" and flash_pays(q.shape[-1], ev)
     mixing_scaled = scaled_mixing(mixing, scale, q.dtype)
+    chunk_forward = flash_forward if use_flash else grouped_forward
     for rows in batch_chunks(B, H, N, k.shape[1]):
-        q_mixed = mixed_queries(q[rows], mixing_scaled)
-        if use_flash:  # CPU flash keeps float32 statistics for 16-bit inputs and returns a float32 lse
-            out[rows], lse[rows] = flash_forward(q_mixed, k[rows], v[rows], mask_rows(mask, rows, B))
-            continue
-        scores = logits(q_mixed, k[rows], mask_rows(mask, rows, B))
-        del q_mixed
-        row_lse = torch.logsumexp(scores, dim=-1)
-        lse[rows] = row_lse
-        out[rows] = scores.sub_(row_lse.unsqueeze(-1)).exp_().to(v.dtype) @ v[rows]
+        out[rows], lse[rows] = chunk_forward(q[rows], mixing_scaled, k[rows], v[rows], mask_rows(mask, rows, B))
     return out, lse
 
 

@@ -45,7 +45,7 @@ class RelPosBias:
 
 class RelPosAttention(RelPosBias, Attention):
     """BEiT's attention written as timm's ``Attention`` (fused qkv bias ``[q_bias, 0, v_bias]``) plus its relative
-    position bias: the same function, in the form ``reparametrize_layers`` converts."""
+    position bias: the same function, in the form ``reparametrize`` converts."""
 
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return super().forward(x, attn_mask=self.rel_pos_mask(shared_rel_pos_bias))

@@ -7,7 +7,7 @@ Nh ones, each mixing vector ``m_i`` by the one-hot ``e_i`` and the shared keys b
 
 so head i is ordinary attention with queries ``q' diag(m'_i)``, keys ``k'`` shared by all heads (an expanded, stride-0
 view) and the layer's scale passed explicitly: no additive mask (whose gradient would make a fused kernel allocate a
-(B, Nh, N, N) buffer), widths zero-padded to a multiple of ``ALIGN`` (zero columns add nothing). ``attention.folded_sdpa``
+(B, Nh, N, N) buffer), widths zero-padded to a multiple of ``ALIGN`` (zero columns add nothing). ``dispatch.folded_sdpa``
 hands it to SDPA, whose kernel is torch's choice.
 """
 
