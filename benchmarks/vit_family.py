@@ -11,13 +11,15 @@ Each architecture is created without pretrained weights at a small size (``SMALL
   and the largest logit difference relative to the largest logit;
 
 and saved with ``collab_vit.save_pretrained`` and reloaded with ``timm.create_model("local-dir:...")`` (bit-identical
-outputs, or the one-line refusal). Models that cannot be converted are listed with the one-line reason
-``collab_vit.reparametrize`` gives.
+outputs, or the one-line refusal). Rotary models (``ROTARY``) are converted at full rank only (their compression is
+not there yet), their bound adding ``ROPE_CHAIN`` per layer; they are also compared with the float32 source. Models
+that cannot be converted are listed with the one-line reason ``collab_vit.reparametrize`` gives.
 
     python benchmarks/vit_family.py [--doc docs/post_hoc.md]      # prints the table; --doc rewrites its block
 
 The figures are CPU-dependent in their last digits; ``tests/test_vit_family.py`` checks the table in docs/post_hoc.md
-against the bounds and against what this command covers, and the full-rank exactness of every architecture afresh.
+against the bounds and against what this command covers, and the full-rank exactness of every architecture afresh
+(``tests/test_rotary.py`` the rotary ones).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from numerics import U32, attention_chain, max_error, vit_chain  # noqa: E402
 
 import collab_vit  # noqa: E402
+from collab_vit.conversion.rotary import is_rotary  # noqa: E402
 from collab_vit.conversion.support import check_model  # noqa: E402
 from measure import replace_marked_block  # noqa: E402
 
@@ -60,11 +63,23 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "EVA-01 (no rope, fused qkv with q/v biases)": ("eva_giant_patch14_224", dict(qkv_bias=True)),
     "EVA, separate q/k/v projections, scale norm": ("eva_giant_patch14_224", dict(qkv_fused=False, scale_attn_inner=True)),
 }
+# label -> (timm name, keywords over SMALL): rotary attention, exact at full rank (compression: not yet)
+ROTARY: dict[str, tuple[str, dict[str, Any]]] = {
+    "DINOv3 (class token + 4 registers)": ("vit_small_patch16_dinov3", {}),
+    "DINOv3 with qkv bias": ("vit_small_patch16_dinov3_qkvb", {}),
+    "EVA-02 (fused qkv, q/v biases)": ("eva02_tiny_patch14_224", {}),
+    "EVA-02, separate q/k/v, scale norm": ("eva02_tiny_patch14_224", dict(qkv_fused=False, scale_attn_inner=True)),
+    "PE core (q/k/v biases, attention-pool head)": ("vit_pe_core_tiny_patch16_384", {}),
+    "RoPE-ViT axial": ("vit_small_patch16_rope_224", {}),
+    "RoPE-ViT axial + absolute position": ("vit_small_patch16_rope_ape_224", {}),
+    "rope, 1 register, average pool": ("vit_base_patch16_rope_reg1_gap_256", {}),
+}
+ROPE_CHAIN = 4  # per rotary layer: the rotation (a 2-term sum) and its sin / cos evaluated in float32 (~1 u each)
 # label -> (timm name, keywords over SMALL): refused, with the reason check_model gives
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
     "ViT with qk_norm": ("vit_tiny_patch16_224", dict(qk_norm=True)),
-    "ViT with rotary embedding (EVA-style)": ("vit_base_patch16_rope_reg1_gap_256", {}),
-    "EVA-02": ("eva02_tiny_patch14_224", {}),
+    "RoPE-ViT with mixed rope (frequencies learned per head)": ("vit_small_patch16_rope_mixed_224", {}),
+    "EVA-02 with qk_norm": ("eva02_tiny_patch14_224", dict(qk_norm=True)),
     "EVA-01 with qk_norm": ("eva_giant_patch14_224", dict(qk_norm=True)),
     "ResNet-18 (no attention)": ("resnet18", None),
 }
@@ -110,6 +125,8 @@ def chain(model: torch.nn.Module) -> int:
         k += len(model.blocks) * dim  # the scale norm inside the attention
     if getattr(model, "attn_pool", None) is not None:
         k += attention_chain(dim, dim, tokens) + dim + int(mlp_ratio * dim)
+    if is_rotary(attn, model):
+        k += len(model.blocks) * ROPE_CHAIN
     return k
 
 
@@ -145,8 +162,9 @@ class FullRank:
 
 
 def full_rank(label: str) -> FullRank:
-    """The exact conversion of ``CASES[label]`` and its logits against a float64 run (``tests`` use this too)."""
-    name, kwargs = CASES[label]
+    """The exact conversion of ``CASES[label]`` (or ``ROTARY[label]``) and its logits against a float64 run
+    (``tests`` use this too)."""
+    name, kwargs = CASES[label] if label in CASES else ROTARY[label]
     source = create(name, kwargs)
     converted = copy.deepcopy(source)
     _, report = collab_vit.reparametrize(converted, progress=False, return_report=True)
@@ -169,6 +187,39 @@ def measure(label: str) -> Row:
                reload_check(exact.converted))
 
 
+@dataclass
+class RotaryRow:
+    label: str
+    model: str
+    layout: str  # the rope's pair layout
+    prefix: int  # tokens left unrotated
+    full_rank_error: float  # max |logit - float64 logit| / max |float64 logit|
+    bound: int
+    float32_error: float  # against the float32 source
+    reload: str
+
+
+def measure_rotary(label: str) -> RotaryRow:
+    exact = full_rank(label)
+    source = create(*ROTARY[label])
+    x = images()
+    attn = exact.converted.blocks[0].attn
+    return RotaryRow(label, ROTARY[label][0], "half" if attn.rotate_half else "interleaved", attn.num_prefix_tokens,
+                     max_error(exact.got, exact.ref), exact.k, max_error(exact.got, logits(source, x)),
+                     reload_check(exact.converted))
+
+
+def format_rotary(rows: list[RotaryRow]) -> str:
+    lines = ["| rotary architecture | timm model | rope layout | unrotated prefix tokens | full rank: max abs logit "
+             "diff / max abs logit (float64 ref) | bound k u | the same against the float32 source | `local-dir:` "
+             "reload |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.label} | `{r.model}` | {r.layout} | {r.prefix} | {r.full_rank_error:.1e} "
+                     f"({r.full_rank_error / U32:.1f} u) | {r.bound * U32:.1e} (k = {r.bound}) | "
+                     f"{r.float32_error:.1e} | {r.reload} |")
+    return "\n".join(lines)
+
+
 def refusal(label: str) -> str:
     name, kwargs = REFUSED[label]
     model = timm.create_model(name, device="meta", **SMALL, **kwargs) if kwargs is not None else \
@@ -180,7 +231,7 @@ def refusal(label: str) -> str:
     return "CONVERTS"
 
 
-def format_table(rows: list[Row], refused: dict[str, str]) -> str:
+def format_table(rows: list[Row], rotary: list[RotaryRow], refused: dict[str, str]) -> str:
     lines = [f"Created without pretrained weights at {', '.join(f'{k}={v}' for k, v in SMALL.items())} "
              f"(`python benchmarks/vit_family.py --doc docs/post_hoc.md`); logits on {IMAGES} random images.", "",
              "| architecture | timm model | full rank: max abs logit diff / max abs logit (float64 ref) | bound k u "
@@ -190,6 +241,8 @@ def format_table(rows: list[Row], refused: dict[str, str]) -> str:
         lines.append(f"| {r.label} | `{r.model}` | {r.full_rank_error:.1e} ({r.full_rank_error / U32:.1f} u) | "
                      f"{r.bound * U32:.1e} (k = {r.bound}) | {r.top1_agreement:.0%} | {r.half_rank_error:.3f} | "
                      f"{r.kept} | {r.reload} |")
+    lines += ["", "Rotary attention converts exactly at full rank (below it: `compression of rotary attention: not "
+              "yet`):", "", format_rotary(rotary)]
     lines += ["", "| refused | timm model | reason (one line, before any work) |", "|---|---|---|"]
     lines += [f"| {label} | `{REFUSED[label][0]}` | {why} |" for label, why in refused.items()]
     return "\n".join(lines)
@@ -200,7 +253,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--doc", type=Path, help=f"rewrite the {MARKER} block of this Markdown file with the table")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    table = format_table([measure(label) for label in CASES], {label: refusal(label) for label in REFUSED})
+    table = format_table([measure(label) for label in CASES], [measure_rotary(label) for label in ROTARY],
+                         {label: refusal(label) for label in REFUSED})
     print(table)
     if args.doc:
         replace_marked_block(args.doc, MARKER, table)

@@ -10,10 +10,12 @@ from .conversion import reparam
 from .conversion.budget import Budget
 from .conversion.reparam import reparametrize, reparametrize_attention, reparametrize_layers
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
+from .layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
 from .layers.weight_decay import exclude_mixing_from_decay
 from .models import COLLAB_MODELS, CONCAT_MODELS
 from .hub import push_to_hf_hub, save_pretrained
 
-__all__ = ["Budget", "CollaborativeAttention", "ConcatAttention", "attention_class", "reparametrize", "reparametrize_attention",
+__all__ = ["Budget", "CollaborativeAttention", "CollaborativeAttentionRope", "CollaborativeEvaAttention",
+           "ConcatAttention", "attention_class", "reparametrize", "reparametrize_attention",
            "reparametrize_layers", "reparam", "COLLAB_MODELS", "CONCAT_MODELS", "save_pretrained", "push_to_hf_hub",
            "exclude_mixing_from_decay"]

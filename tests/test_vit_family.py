@@ -106,7 +106,6 @@ def assert_untouched(model: torch.nn.Module, before: tuple) -> None:
 
 REFUSALS = {  # refused label -> what the one line must say
     "ViT with qk_norm": "blocks.0.attn (Attention): qk_norm",
-    "ViT with rotary embedding (EVA-style)": "blocks.0.attn (EvaAttention): EvaAttention with rotary position",
     "ResNet-18 (no attention)": "ResNet has no timm Attention layer",
     "EVA-01 with qk_norm": "blocks.0.attn (EvaAttention): qk_norm normalises",
 }

@@ -21,6 +21,7 @@ from .budget import BUDGET_PREFIX, KeyDimSpec
 from .recipe import Recipe
 from .record import converted_record, rebuild_problem
 from .reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
+from .rotary import check_rotary_spec
 from .support import Support, check_model
 
 
@@ -130,15 +131,18 @@ def output_kind(out: Path) -> str:
     return "folder"
 
 
-def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None) -> Support:
+def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None,
+                 key_dim: KeyDimSpec = None) -> Support:
     """The support of ``model_name``'s architecture, built without weights on the meta device (nothing downloaded,
     no memory; on the CPU where a model cannot be built on ``meta``): a one-line ``ValueError`` for a model that
-    cannot be converted (``support.check_model``)."""
+    cannot be converted (``support.check_model``), or a rotary one at a key dim it does not take yet."""
     try:
         skeleton = _create(model_name, dict(model_kwargs or {}), device="meta")
     except NotImplementedError:  # an init that needs real tensors
         skeleton = _create(model_name, dict(model_kwargs or {}))
-    return check_model(skeleton)
+    support = check_model(skeleton)
+    check_rotary_spec(skeleton, support.layers, key_dim)
+    return support
 
 
 def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
@@ -163,7 +167,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     if kind == "folder" and save_folder is None:
         raise ValueError(f"--out {out}: a folder output needs save_folder (collab_vit.save_pretrained)")
     if model_name:
-        check_source(model_name, model_kwargs)  # an unsupported model fails before any download
+        check_source(model_name, model_kwargs, key_dim)  # an unsupported model fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
     support = check_model(model)
     check_key_dims(key_dim, model)

@@ -4,7 +4,7 @@ A timm model converted to collaborative attention (``reparametrize``, ``collab-v
 its source: the source's timm name and keyword arguments and, for each converted layer, the collaborative class it
 became and its key dim. ``collab_vit_converted`` (``models.py``) creates the source's
 architecture without its weights, swaps those layers for collaborative ones (:func:`swap_layers`) and loads the
-weights: any model that converts can be rebuilt (BEiT, EVA without rope, distilled DeiT, parallel blocks). A
+weights: any model that converts can be rebuilt (BEiT, EVA, rotary ViTs, distilled DeiT, parallel blocks). A
 converted timm DeiT (``deit_{tiny,small,base}_patch16_224``) is recorded as the registered
 ``collab_deit_{size}_patch16_224`` with the source's arguments and one key dim per layer.
 """
@@ -22,6 +22,7 @@ from ..layers.attention import CollaborativeAttention
 from ..layers.forms import RelPosBias
 from ..layers.weight_decay import exclude_mixing_from_decay
 from .forms import COLLABORATIVE_FORM
+from .rotary import is_rotary, rotary_like
 from .support import attention_forms
 
 DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
@@ -82,12 +83,14 @@ def swap_layers(model: nn.Module, layers: Optional[dict[str, dict[str, Any]]]) -
         raise ValueError(f"the record names the attention layers {sorted(layers)[:3]}..., the source has "
                          f"{sorted(forms)[:3]}... ({len(layers)} vs {len(forms)})")
     for name, entry in layers.items():
-        cls = COLLABORATIVE_FORM.get(type(forms[name]), CollaborativeAttention)
+        rotary = is_rotary(forms[name], model)  # ``rotary.py``
+        layer = rotary_like(forms[name], entry["key_dim"]) if rotary else None
+        cls = type(layer) if rotary else COLLABORATIVE_FORM.get(type(forms[name]), CollaborativeAttention)
         if entry.get("layer") != cls.__name__:
             raise ValueError(f"the record makes {name} a {entry.get('layer')}, the source's layer becomes a "
                              f"{cls.__name__}")
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, _collaborative_like(forms[name], cls, entry["key_dim"]))
+        setattr(model.get_submodule(parent), child, layer or _collaborative_like(forms[name], cls, entry["key_dim"]))
     return exclude_mixing_from_decay(model)
 
 

@@ -26,6 +26,7 @@ from .capture import source_tokens
 from .decompose import energy_spectrum
 from .fit import METHODS, LayerFit, check_method, fit_attention, head_factors, layer_from_decomposition
 from .recipe import Recipe, calibrated, check_effort, weight_dims
+from .rotary import convert_rotary, is_rotary
 from .support import all_or_nothing, attention_forms
 
 __all__ = ["Budget", "ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
@@ -60,7 +61,7 @@ class ConversionReport(list):
 
 def timm_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
     """Every timm ``Attention`` layer of ``model``; a one-line ``ValueError`` naming the first attention layer that
-    cannot be converted and why (qk_norm, rope, ...), or if there is none (``support.check_model``); BEiT / EVA
+    cannot be converted and why (qk_norm, mixed rope, ...), or if there is none (``support.check_model``); BEiT / EVA
     layers in timm's form (``support.attention_forms``)."""
     return attention_forms(model)
 
@@ -152,8 +153,10 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
         return_report: return ``(model, report)``: a ``ConversionReport``, one ``LayerReport`` per layer, and its
             ``summary`` (candidates, which won, held-out KL).
 
-    A model with an attention layer that cannot be converted (qk_norm, rope, ...) is refused with one line before any
-    work; one that fails half way is put back as it was.
+    Rotary attention (DINOv3, EVA-02, PE, RoPE-ViT) converts exactly at full rank (``key_dim=None``; calibration has
+    nothing to fit there); below it is refused, for now. A model with an attention layer that cannot be converted
+    (qk_norm, mixed rope, ...) is refused with one line before any work; one that fails half way is put back as it
+    was.
     """
     check_effort(effort)
     if device is not None:
@@ -171,6 +174,9 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     check_method(method)
     check_effort(effort)
     layers = timm_attention_layers(model)
+    if any(is_rotary(attn, model) for _, attn in layers):  # exact at full rank, nothing to calibrate (``rotary.py``)
+        rows = convert_rotary(model, layers, key_dim, _probe(model, probe, seed))
+        return ConversionReport([LayerReport(name, k, 0.0, error, seconds) for name, k, error, seconds in rows])
     if calibration is None:
         return _weight_only(model, layers, key_dim, method, probe, seed, progress, recipe.decomposition)
     images = calibration_images(calibration, probe_input_size(model), recipe.max_images, recipe.batch_size)
@@ -190,6 +196,13 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     return ConversionReport(reports, summary)
 
 
+def _probe(model: nn.Module, probe: Optional[torch.Tensor], seed: int) -> torch.Tensor:
+    """``probe``, else 2 random images of the model's input size (the weight-only output errors are measured there)."""
+    if probe is not None:
+        return probe
+    return torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(seed))
+
+
 def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim: KeyDimSpec, method: str,
                  probe: Optional[torch.Tensor], seed: int, progress: bool, options: dict) -> ConversionReport:
     """The weight-only conversion (thresholds and budgets read the weight spectra), output errors on the tokens of
@@ -197,8 +210,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
     dims, dims_from = weight_dims(layers, as_spec(key_dim))
     if dims_from != "given":
         dims_from += " (weight spectra)"
-    if probe is None:
-        probe = torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(seed))
+    probe = _probe(model, probe, seed)
     device = next(model.parameters()).device
     was_training = model.training
     try:

@@ -25,6 +25,7 @@ from .calibration import DEFAULT_RIDGE, whitening
 from .capture import source_tokens
 from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
 from .reparam import timm_attention_layers
+from .rotary import refuse_rotary
 from ..weights_io import atomic_write
 
 __all__ = [
@@ -81,11 +82,13 @@ def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: fl
     describes the weights, not the logits). The model is left unchanged.
 
     Raises:
-        ValueError: if the model has no ``Attention`` layer, or a layer's head dims do not fill the embedding dim
-            (``attn_head_dim`` set), which ``decompose.split_qkv_heads`` does not handle.
+        ValueError: if the model has no ``Attention`` layer, a rotary one (its spectrum is per frequency: not yet),
+            or a layer's head dims do not fill the embedding dim (``attn_head_dim`` set), which
+            ``decompose.split_qkv_heads`` does not handle.
     """
     spectra = []
     layers = timm_attention_layers(model)
+    refuse_rotary(model, layers, "the spectrum")  # per frequency: not yet (``rotary.py``)
     moments = None
     if calibration is not None:
         was_training = model.training

@@ -10,7 +10,8 @@ converted and the reason:
 
 * ``qk_norm``: each head's queries and keys are normalised token by token, so a logit is no longer a bilinear form
   of the two tokens;
-* rotary position embedding (``AttentionRope``, EVA's attention with rope): the form depends on the positions;
+* rotary attention (``AttentionRope``, EVA's attention with rope) converts exactly at full rank (``rotary.py``); refused
+  there: mixed rope (frequencies learned per head), ``qk_norm``, grouped-query attention;
 * differential attention, gated outputs, ``attn_head_dim x heads != dim``, and attention classes other than timm's
   (EVA, ...): not covered;
 * no self-attention layer at all (a CNN, say).
@@ -34,11 +35,10 @@ from ..layers.forms import EvaFormAttention, RelPosAttention
 from ..layers.weight_decay import exclude_mixing_from_decay
 from . import forms
 from .forms import GATED, QK_NORM, eva_reason, is_beit_attention, is_eva_attention, prepare
+from .rotary import rotary_reason
 
 ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
-ROPE = "rotary position embedding makes the logits depend on the token positions (not one bilinear form)"
 REASONS_BY_CLASS = {  # class name -> why it does not convert
-    "AttentionRope": ROPE,
     "DiffAttention": "differential attention subtracts two softmax maps: no single collaborative softmax",
 }
 KEPT_BY_CLASS = {
@@ -73,8 +73,6 @@ def attention_reason(attn: nn.Module) -> Optional[str]:
 def _other_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
     """Why an attention-like module that is not timm's ``Attention`` does not convert; None if it is no attention."""
     name = type(module).__name__
-    if name == "EvaAttention" and getattr(model, "rope", None) is not None:
-        return f"EvaAttention with {ROPE}"
     if name in REASONS_BY_CLASS:
         return REASONS_BY_CLASS[name]
     if hasattr(module, "relative_position_bias_table") and not isinstance(module, RelPosAttention):
@@ -86,8 +84,11 @@ def _other_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
 
 
 def _convertible_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
-    """For a layer of a kind the conversion handles (timm's ``Attention``, EVA's without rope, BEiT's): "" when it
-    converts, else why not; None for any other module."""
+    """For a layer of a kind the conversion handles (timm's ``Attention``, EVA's without rope, BEiT's, rotary ones):
+    "" when it converts, else why not; None for any other module."""
+    rotary = rotary_reason(module, model)  # rope: ``rotary.py``
+    if rotary is not None:
+        return rotary
     if isinstance(module, Attention):
         return attention_reason(module) or ""
     if is_eva_attention(module) and getattr(model, "rope", None) is None:  # rewritten first (``forms.py``)

@@ -1,0 +1,212 @@
+"""Rotary attention (timm's ``AttentionRope``; ``EvaAttention`` in a model with rope) -> collaborative rotary attention
+(``layers/rotary.py``): which layers convert, the exact full-rank construction, the swap.
+
+Full rank: shared pair ``r = i dh/2 + p`` is pair ``p`` of head ``i`` (its two dims in the source's layout,
+interleaved or half, put in the shared interleaved order), carrying frequency ``p``; head i's mixing is 1 (real) on
+its own ``dh/2`` pairs, 0 elsewhere. The query and key biases move into the shared projections, pair by pair: a
+rotated bias varies along a softmax row, so neither the content bias nor dropping the key bias is exact under rope
+(docs/math.md, "Rotary attention"). Values, scale norm, gate and output projection are copied. Below full rank:
+refused in one line (not yet).
+
+Refused in one line, naming the layer (``support.check_model``): mixed rope (``RotaryEmbeddingMixed`` learns its
+frequencies per head), ``qk_norm``, grouped-query attention, head dims other than ``dim / heads``, a rope module not
+known to give every head the same frequencies.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from timm.layers import AttentionRope
+from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMixed,
+                                          RotaryEmbeddingMRope)
+from torch import Tensor
+
+from ..layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
+from .budget import Budget, KeyDimSpec, as_spec, key_dims
+from .forms import QK_NORM, is_eva_attention
+
+NOT_YET = "compression of rotary attention: not yet"
+SHARED_ROPE = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMRope)  # one rope tensor for all heads
+MIXED = ("mixed rope (RotaryEmbeddingMixed) learns its frequencies per head: the heads share no frequency, so no "
+         "shared rotary projection")
+
+
+def is_rotary(module: nn.Module, model: nn.Module) -> bool:
+    """Whether ``module`` is a rotary attention layer of ``model``: timm's ``AttentionRope``, or EVA's attention in a
+    model with rope."""
+    return isinstance(module, AttentionRope) or (is_eva_attention(module) and getattr(model, "rope", None) is not None)
+
+
+def rotary_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
+    """None if ``module`` is no rotary layer of ``model``; "" if it converts; else why not (one line)."""
+    if not is_rotary(module, model):
+        return None
+    rope = getattr(model, "rope", None)
+    if isinstance(rope, RotaryEmbeddingMixed) or getattr(model, "rope_mixed", False):
+        return MIXED
+    if rope is not None and not isinstance(rope, SHARED_ROPE):
+        return f"{type(rope).__name__} is not known to give every head the same rope frequencies: not covered"
+    if not isinstance(module.q_norm, nn.Identity) or not isinstance(module.k_norm, nn.Identity):
+        return QK_NORM
+    if getattr(module, "num_kv_groups", 1) != 1:
+        return "grouped-query attention (fewer key/value heads than query heads): not covered"
+    dim = module.proj.out_features
+    if module.num_heads * module.head_dim != dim or projections(module)[0].shape[1] != dim:
+        return (f"heads x head dim ({module.num_heads * module.head_dim}) differs from dim ({dim}): not covered "
+                f"(collaborative layers keep dim / heads per value head)")
+    return ""
+
+
+def projections(attn: nn.Module) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """``Wq, Wk, Wv`` (each (Nh dh, D)) and the biases ``bq, bk, bv`` (None without ``qkv_bias``; EVA's absent key
+    bias as zeros) of a rotary layer, fused or separate q/k/v."""
+    if attn.qkv is not None:
+        wq, wk, wv = attn.qkv.weight.detach().chunk(3)
+        if is_eva_attention(attn):
+            biases = None if attn.q_bias is None else (attn.q_bias, attn.k_bias, attn.v_bias)
+        else:
+            biases = None if attn.qkv.bias is None else attn.qkv.bias.chunk(3)
+    else:
+        wq, wk, wv = (m.weight.detach() for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        bq, bk = attn.q_proj.bias, attn.k_proj.bias
+        biases = None if bq is None else (bq, torch.zeros_like(bq) if bk is None else bk, attn.v_proj.bias)
+    if biases is None:
+        return wq, wk, wv, None, None, None
+    bq, bk, bv = (b.detach() for b in biases)
+    return wq, wk, wv, bq, bk, bv
+
+
+def shared_order(num_heads: int, head_dim: int, half: bool) -> Tensor:
+    """The source rows of the shared dims at full rank: shared dims ``(2r, 2r+1)``, ``r = i dh/2 + p``, are pair
+    ``p`` of head ``i``, i.e. rows ``i dh + (2p, 2p+1)`` (interleaved) or ``i dh + (p, p + dh/2)`` (half layout)."""
+    pairs = torch.arange(head_dim // 2)
+    first, second = (pairs, pairs + head_dim // 2) if half else (2 * pairs, 2 * pairs + 1)
+    within = torch.stack([first, second], dim=-1).reshape(-1)
+    return (torch.arange(num_heads).unsqueeze(1) * head_dim + within).reshape(-1)
+
+
+def rotary_like(attn: nn.Module, key_dim: int) -> CollaborativeAttentionRope:
+    """An untrained collaborative rotary layer of ``key_dim`` shaped as ``attn``: its class (EVA's or timm's
+    keywords), biases, prefix tokens, rope layout, dropouts, scale norm and gate (copies), kernel choice, train flag."""
+    wq, _, _, bq, _, _ = projections(attn)
+    options: dict[str, Any] = {} if is_eva_attention(attn) else {"proj_bias": attn.proj.bias is not None}
+    cls = CollaborativeEvaAttention if is_eva_attention(attn) else CollaborativeAttentionRope
+    layer = cls(wq.shape[1], attn.num_heads, qkv_bias=bq is not None, num_prefix_tokens=attn.num_prefix_tokens,
+                attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p, scale_norm=False,
+                rotate_half=bool(getattr(attn, "rotate_half", False)), key_dim=key_dim, device=wq.device,
+                dtype=wq.dtype, **options)
+    layer.norm = copy.deepcopy(attn.norm)
+    layer.gate = copy.deepcopy(attn.gate)
+    layer.fused_attn = attn.fused_attn
+    return layer.train(attn.training)
+
+
+def rotary_layer(attn: nn.Module, key_dim: Optional[int] = None) -> CollaborativeAttentionRope:
+    """The exact collaborative rotary layer of ``attn`` (module docstring) at ``key_dim >= heads x head dim`` (default:
+    equal; extra shared pairs are zero); ``attn`` is unchanged."""
+    full = attn.num_heads * attn.head_dim
+    key_dim = full if key_dim is None else key_dim
+    if key_dim < full:
+        raise ValueError(f"{NOT_YET}: key_dim {key_dim} is below the full rank {full} (heads x head dim)")
+    layer = rotary_like(attn, key_dim)
+    wq, wk, wv, bq, bk, bv = projections(attn)
+    order = shared_order(attn.num_heads, attn.head_dim, bool(getattr(attn, "rotate_half", False))).to(wq.device)
+    with torch.no_grad():
+        for shared, weight, bias in ((layer.query, wq, bq), (layer.key, wk, bk)):
+            shared.weight.zero_()[:full] = weight[order]
+            if bias is not None:
+                shared.bias.zero_()[:full] = bias[order]
+        layer.value.weight.copy_(wv)
+        if bv is not None:
+            layer.value.bias.copy_(bv)
+        layer.mixing.zero_()
+        for head in range(attn.num_heads):  # real part 1 on the head's own pairs
+            layer.mixing[head, head * attn.head_dim:(head + 1) * attn.head_dim:2] = 1.
+        layer.proj.load_state_dict(attn.proj.state_dict())
+    return layer
+
+
+def full_rank_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> list[int]:
+    """One key dim per rotary layer from ``spec``, each at least the layer's full rank (even); else the one-line
+    refusal (compression is not there yet)."""
+    spec = as_spec(spec)
+    if isinstance(spec, (float, Budget)):
+        asked = f"budget={spec.fraction}" if isinstance(spec, Budget) else f"threshold {spec}"
+        raise ValueError(f"{NOT_YET} (key_dim {asked} compresses); key_dim=None converts it exactly")
+    full = [attn.num_heads * attn.head_dim for _, attn in layers]
+    dims, _ = key_dims(spec, full, [])
+    for (name, _), dim, rank in zip(layers, dims, full):
+        if dim < rank:
+            raise ValueError(f"{NOT_YET}: key_dim {dim} is below {name}'s full rank {rank} (heads x head dim); "
+                             f"key_dim=None converts it exactly")
+        if dim % 2:
+            raise ValueError(f"rotary attention needs an even key_dim, got {dim} for {name}")
+    return dims
+
+
+def check_rotary_spec(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> None:
+    """The one-line refusal of ``spec`` for a model with rotary layers (before any weight is read: works on meta)."""
+    if any(is_rotary(attn, model) for _, attn in layers):
+        full_rank_dims(layers, spec)
+
+
+def refuse_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], what: str) -> None:
+    """A one-line ``ValueError`` if a layer is rotary: ``what`` (a tool for standard attention) does not cover it."""
+    name = next((name for name, attn in layers if is_rotary(attn, model)), None)
+    if name is not None:
+        raise ValueError(f"{what} of rotary attention ({name}): not yet")
+
+
+@torch.no_grad()
+def layer_calls(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor
+                ) -> list[tuple[Tensor, dict[str, Any]]]:
+    """The tokens and keywords (``rope``, ``attn_mask``, ...) each layer is called with on ``images`` (eval mode)."""
+    calls: list[Optional[tuple[Tensor, dict[str, Any]]]] = [None] * len(layers)
+
+    def hook(index: int):
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            calls[index] = calls[index] or (args[0].detach(), {**kwargs, **dict(zip(("rope", "attn_mask"), args[1:]))})
+        return record
+
+    handles = [attn.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, attn) in enumerate(layers)]
+    was_training = model.training
+    try:
+        model.eval()(images.to(next(model.parameters()).device))
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@torch.no_grad()
+def output_error(layer: nn.Module, source: nn.Module, call: tuple[Tensor, dict[str, Any]]) -> float:
+    """``||layer(x) - source(x)|| / ||source(x)||`` on one recorded call (eval mode; train flags kept)."""
+    was = layer.training, source.training
+    out, ref = layer.eval()(call[0], **call[1]), source.eval()(call[0], **call[1])
+    layer.train(was[0])
+    source.train(was[1])
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec, probe: Tensor
+                   ) -> list[tuple[str, int, float, float]]:
+    """Swap every rotary layer of ``model`` (in place) for its exact collaborative layer; ``(name, key dim, output
+    error on the ``probe`` images' tokens, seconds)`` per layer."""
+    standard = [name for name, attn in layers if not is_rotary(attn, model)]
+    if standard:
+        raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
+    dims = full_rank_dims(layers, spec)
+    rows = []
+    for (name, attn), dim, call in zip(layers, dims, layer_calls(model, layers, probe)):
+        began = time.perf_counter()
+        layer = rotary_layer(attn, dim)
+        seconds = time.perf_counter() - began
+        rows.append((name, dim, output_error(layer, attn, call), seconds))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return rows
