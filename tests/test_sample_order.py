@@ -9,7 +9,8 @@ import torch
 from collab_vit.training import data, trainer
 from collab_vit.training.distributed import DistInfo
 from collab_vit.training.checkpoint import load_checkpoint, save_checkpoint
-from collab_vit.training.checkpoint import SAMPLE_ORDER, StopRequest
+from collab_vit.training.checkpoint import SAMPLE_ORDER
+from collab_vit.training.stop import StopRequest
 from collab_vit.training.data import EpochSeededSampler, SkipFirstSampler
 from collab_vit.training.config import build_config
 from collab_vit.training.trainer import train

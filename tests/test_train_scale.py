@@ -150,7 +150,7 @@ def recording_assemble(*args, **kwargs):  # the weights each rank's model and EM
     return run
 trainer.assemble = recording_assemble
 if os.environ.get('STOP_RANK') == os.environ['RANK']:  # this rank alone asks to stop at its STOP_AT-th update
-    from collab_vit.training.checkpoint import StopRequest
+    from collab_vit.training.stop import StopRequest
     calls, reason = [0], StopRequest.reason
     def asking(self):
         calls[0] += 1

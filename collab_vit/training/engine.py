@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
 
 if TYPE_CHECKING:
-    from .checkpoint import StopRequest
+    from .stop import StopRequest
 
 
 class NonFiniteLossError(RuntimeError):

@@ -22,12 +22,13 @@ from timm.utils import random_seed
 
 from ..weights_io import WeightsError, WriteError, append_line, export_safetensors, one_line, torch_load
 from .build import Run, assemble, scaled_lr
-from .checkpoint import (SAMPLE_ORDER, StopRequest, check_geometry, check_run_dir, check_same_run, checkpoint_state,
+from .checkpoint import (SAMPLE_ORDER, check_geometry, check_run_dir, check_same_run, checkpoint_state,
                          gather_rng, geometry, load_training_checkpoint, plain, prepare_run_dir, repair_run_dir,
                          restore, rng_state, save_checkpoint, set_rng_state)
 from .config import ConfigError, DataError, TrainConfig, parse_train_args, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, cleanup_distributed, init_distributed
 from .engine import NonFiniteLossError, evaluate, train_one_epoch
+from .stop import StopRequest
 
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> Union[int, List[int]]:
