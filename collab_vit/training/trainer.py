@@ -27,7 +27,7 @@ from .checkpoint import (SAMPLE_ORDER, check_geometry, check_run_dir, check_same
                          restore, rng_state, save_checkpoint, set_rng_state)
 from .config import ConfigError, DataError, TrainConfig, parse_train_args, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, cleanup_distributed, init_distributed
-from .engine import NonFiniteLossError, evaluate, train_one_epoch
+from .engine import EpochResult, NonFiniteLossError, evaluate, train_one_epoch
 from .stop import StopRequest
 
 
@@ -187,8 +187,8 @@ def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> 
     for epoch in range(run.start_epoch, cfg.epochs):
         start = time.perf_counter()
         epoch_rng = rng_state()  # what a mid-epoch checkpoint stores (the sampler's order depends on the epoch only)
-        record = _train_epoch(run, epoch, log)
-        stopped = record.pop('stopped')
+        result = _train_epoch(run, epoch, log)
+        record, stopped = result.record(), result.stopped
         if stopped and run.batches_done:
             return _stop_inside_epoch(run, epoch, epoch_rng, record, log)
         if not cfg.sched_on_updates:
@@ -218,7 +218,7 @@ def _stop_after_epoch(run: Run, epoch: int, epochs_run: int, stopped: bool, log:
     return True
 
 
-def _train_epoch(run: Run, epoch: int, log: RunLogger) -> Dict[str, Any]:
+def _train_epoch(run: Run, epoch: int, log: RunLogger) -> EpochResult:
     """One training pass (the rest of the epoch after a mid-epoch resume); ``run`` advances. A non-finite loss
     becomes the run's one-line error."""
     cfg = run.cfg
@@ -226,20 +226,20 @@ def _train_epoch(run: Run, epoch: int, log: RunLogger) -> Dict[str, Any]:
     if hasattr(run.train_loader.sampler, 'set_epoch'):
         run.train_loader.sampler.set_epoch(epoch)
     try:
-        record, run.num_updates = train_one_epoch(run.model, run.train_loader, run.step, epoch, run.num_updates)
+        result = train_one_epoch(run.model, run.train_loader, run.step, epoch, run.num_updates)
     except NonFiniteLossError as e:
         hint = '' if cfg.skip_nonfinite_loss else ' (lower the lr, set clip_grad, or skip such batches with ' \
                                                   'skip_nonfinite_loss: true)'
         raise NonFiniteLossError(f'{e}: training stopped; {_last_good(cfg.output, run.dist_info)}{hint}') from None
-    skipped = record.pop('nonfinite_skipped')
-    if skipped:
-        record['nonfinite_skipped'] = skipped
-        log.info(f'warning: epoch {epoch}: skipped {skipped} batch(es) with a non-finite loss (skip_nonfinite_loss)')
+    run.num_updates = result.num_updates
+    if result.nonfinite_skipped:
+        log.info(f'warning: epoch {epoch}: skipped {result.nonfinite_skipped} batch(es) with a non-finite loss '
+                 f'(skip_nonfinite_loss)')
     epoch_batches = run.skipper.skip // cfg.batch_size + len(run.train_loader)
-    run.batches_done += record.pop('batches')
-    if not (record['stopped'] and run.batches_done < epoch_batches):
+    run.batches_done += result.batches
+    if not (result.stopped and run.batches_done < epoch_batches):
         run.batches_done = 0  # the epoch is complete
-    return record
+    return result
 
 
 def _evaluate_epoch(run: Run, epoch: int, record: Dict[str, Any], log: RunLogger) -> None:
