@@ -31,6 +31,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -39,10 +40,12 @@ import torch.distributed as dist
 import yaml
 
 from ..weights_io import WeightsError, atomic_write, remove_stale_temps, torch_load
-from .config import ConfigError
+from .config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
-    from .build import Run
+    from .data import SkipFirstSampler
+    from .distributed import DistInfo
+    from .engine import StepParts
 
 RESULT_FILES = ('last.pth', 'log.jsonl', 'model.safetensors', 'best.pth')
 # what a run directory may hold besides hidden files: this package's files, the Slurm scripts' logs/, wandb's folder
@@ -261,20 +264,42 @@ def check_geometry(ckpt: Dict[str, Any], new: Dict[str, int], path: str) -> Opti
     return change
 
 
-def checkpoint_state(run: Run, epoch: int, rng_all: list, metrics: Dict[str, Any],
-                     batches_done: int = 0) -> Dict[str, Any]:
-    """The training checkpoint (keys in the module docstring); ``epoch`` is the last finished one and
-    ``batches_done`` the batches already trained of the next (0 at an epoch boundary)."""
-    step, cfg = run.step, run.cfg
+@dataclass
+class Progress:
+    """Where a run stands, advanced by the trainer's epoch loop: what checkpoints record of it and :func:`restore`
+    sets back (``bad_images`` and ``epoch_rng`` are this invocation's)."""
+
+    start_epoch: int = 0  # the first epoch this invocation trains
+    num_updates: int = 0  # optimizer updates so far
+    batches_done: int = 0  # > 0: batches of the current epoch already trained (a stop inside it)
+    best_top1: float = -1.0
+    best_epoch: int = -1
+    metrics: Dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    bad_images: int = 0  # unreadable images skipped so far, over all ranks (skip_bad_images)
+    epoch_rng: Optional[Dict[str, Any]] = None  # this rank's RNG states at the start of the epoch being trained
+
+
+def checkpoint_state(model: torch.nn.Module, step: StepParts, progress: Progress, epoch: int, rng_all: list,
+                     metrics: Dict[str, Any], about: Dict[str, Any]) -> Dict[str, Any]:
+    """The training checkpoint (keys in the module docstring): ``model``'s weights, the state of what ``step``
+    steps (optimizer, schedule, loss scaler, EMA), where the run stands (``epoch`` is the last finished one,
+    ``progress.batches_done`` the batches already trained of the next: 0 at an epoch boundary), every rank's RNG
+    states, the epoch's ``metrics`` and what run it is (``about``, :func:`run_record`)."""
     return {
-        'model': run.unwrapped.state_dict(), 'optimizer': step.optimizer.state_dict(),
+        'model': model.state_dict(), 'optimizer': step.optimizer.state_dict(),
         'scheduler': step.scheduler.state_dict(), 'scaler': step.loss_scaler.state_dict() if step.loss_scaler else None,
         'model_ema': step.model_ema.module.state_dict() if step.model_ema is not None else None,
-        'epoch': epoch, 'batches_done': batches_done, 'step': run.num_updates, 'best_top1': run.best_top1,
-        'best_epoch': run.best_epoch, 'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model,
-        'model_kwargs': run.model_kwargs, 'geometry': run_geometry(run), 'data_config': plain(run.data_cfg),
+        'epoch': epoch, 'batches_done': progress.batches_done, 'step': progress.num_updates,
+        'best_top1': progress.best_top1, 'best_epoch': progress.best_epoch, 'rng': rng_all, **about,
         'metrics': metrics,
     }
+
+
+def run_record(cfg: TrainConfig, world_size: int, model_kwargs: Dict[str, Any],
+               data_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """What a checkpoint records of the run it comes from: its config, model, geometry and evaluation pipeline."""
+    return {'config': cfg.to_dict(), 'model_name': cfg.model, 'model_kwargs': model_kwargs,
+            'geometry': run_geometry(cfg, world_size), 'data_config': plain(data_cfg)}
 
 
 def plain(data_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -291,53 +316,57 @@ def gather_rng(state: Dict[str, Any]) -> list:
     return states
 
 
-def run_geometry(run: Run) -> Dict[str, int]:
-    """The geometry of ``run`` as it runs now."""
-    return geometry(run.cfg.batch_size, run.dist_info.world_size, run.cfg.accum_steps)
+def run_geometry(cfg: TrainConfig, world_size: int) -> Dict[str, int]:
+    """The geometry of a run of ``cfg`` on ``world_size`` processes."""
+    return geometry(cfg.batch_size, world_size, cfg.accum_steps)
 
 
-def restore(run: Run, ckpt: Dict[str, Any], path: str) -> List[str]:
-    """Load optimizer, scheduler and scaler state from ``ckpt`` into the freshly built ``run`` and place it where
-    the checkpoint stopped (the model and EMA weights were loaded at build time); returns lines for the log."""
-    step, notes = run.step, []
+def restore(ckpt: Dict[str, Any], path: str, step: StepParts, skipper: SkipFirstSampler, now: Dict[str, int],
+            updates_per_epoch: int) -> Tuple[Progress, List[str]]:
+    """Where ``ckpt`` stopped, and lines for the log. Its optimizer, scheduler and scaler states are loaded into the
+    freshly built ``step`` (the model and EMA weights were loaded at build time); a stop inside an epoch also sets
+    ``skipper`` to restore the RNG states at the stop. ``now``: the geometry the run resumes with, at
+    ``updates_per_epoch``."""
+    notes = []
     fresh_lrs = [g.get('initial_lr', g['lr']) for g in step.optimizer.param_groups]
     step.optimizer.load_state_dict(ckpt['optimizer'])
     if step.loss_scaler is not None and ckpt.get('scaler'):
         step.loss_scaler.load_state_dict(ckpt['scaler'])
-    run.start_epoch, run.num_updates, run.batches_done = ckpt['epoch'] + 1, ckpt['step'], ckpt.get('batches_done', 0)
-    run.best_top1, run.best_epoch = ckpt['best_top1'], ckpt['best_epoch']
+    progress = Progress(start_epoch=ckpt['epoch'] + 1, num_updates=ckpt['step'],
+                        batches_done=ckpt.get('batches_done', 0), best_top1=ckpt['best_top1'],
+                        best_epoch=ckpt['best_epoch'])
     old, inferred = recorded_geometry(ckpt)
     if inferred:
         notes.append(f'warning: {path} was written before checkpoints recorded batch size, world size and '
                      f'accumulation: taken from its config and RNG states ({geometry_text(old)})')
-    change = check_geometry(ckpt, run_geometry(run), path)
+    change = check_geometry(ckpt, now, path)
     if change:  # at an epoch end: the new global batch's lr, the schedule rebuilt and placed at the epoch reached
         for group, lr in zip(step.optimizer.param_groups, fresh_lrs):
             group['initial_lr'] = lr
-        run.num_updates = run.start_epoch * run.updates_per_epoch
+        progress.num_updates = progress.start_epoch * updates_per_epoch
         notes.append(f'resuming with other values ({change}): lr {fresh_lrs[0]:.3g} for the new global batch, '
-                     f'schedule at epoch {run.start_epoch} = update {run.num_updates} '
-                     f'({run.updates_per_epoch} per epoch)')
+                     f'schedule at epoch {progress.start_epoch} = update {progress.num_updates} '
+                     f'({updates_per_epoch} per epoch)')
     else:
         step.scheduler.load_state_dict(ckpt['scheduler'])
-    notes += _restore_inside_epoch(run, ckpt, path)
+    notes += _restore_inside_epoch(ckpt, path, progress, skipper, step.dist_info)
     if step.sched_on_updates:
-        step.scheduler.step_update(run.num_updates)
+        step.scheduler.step_update(progress.num_updates)
     else:
-        step.scheduler.step(run.start_epoch)
-    return notes
+        step.scheduler.step(progress.start_epoch)
+    return progress, notes
 
 
-def _restore_inside_epoch(run: Run, ckpt: Dict[str, Any], path: str) -> List[str]:
+def _restore_inside_epoch(ckpt: Dict[str, Any], path: str, progress: Progress, skipper: SkipFirstSampler,
+                          dist_info: DistInfo) -> List[str]:
     """A stop inside an epoch: the RNG states at the stop, restored once the trained batches are skipped. At an
     epoch end: the last metrics (the final summary of a run killed after its last checkpoint, before its export)."""
-    if not run.batches_done:
-        run.metrics = {k: v for k, v in (ckpt.get('metrics') or {}).items() if k in ('top1', 'top5')}
+    if not progress.batches_done:
+        progress.metrics = {k: v for k, v in (ckpt.get('metrics') or {}).items() if k in ('top1', 'top5')}
         return []
-    dist_info = run.dist_info
     if len(ckpt['rng_at_stop']) == dist_info.world_size:
-        run.skipper.after_skip = functools.partial(set_rng_state, ckpt['rng_at_stop'][dist_info.rank])
+        skipper.after_skip = functools.partial(set_rng_state, ckpt['rng_at_stop'][dist_info.rank])
     if not dist_info.distributed and ckpt.get('sample_order') != SAMPLE_ORDER:
         return [f'warning: {path} was written inside an epoch by an older version whose sample order differs: the '
-                f'rest of epoch {run.start_epoch} may repeat or miss some samples']
+                f'rest of epoch {progress.start_epoch} may repeat or miss some samples']
     return []
