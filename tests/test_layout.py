@@ -1,5 +1,6 @@
 """The package's layers import one way only: layers <- weights_io <- conversion <- models <- hub <- training <- cli."""
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
@@ -83,6 +84,20 @@ def test_no_import_cycle():
     and function-level imports count: they tie the modules all the same)."""
     cycle = find_cycle({name: imports(path) - {name} for name, path in MODULES.items()})
     assert not cycle, 'import cycle: ' + ' -> '.join(cycle)
+
+
+def test_training_package_lists_its_modules_top_to_bottom():
+    """training/__init__.py imports nothing and names every module of training/, each importing only those it
+    lists below it."""
+    init = PACKAGE / 'training' / '__init__.py'
+    tree = ast.parse(init.read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    listed = re.findall(r'^\* ``(\w+)``', ast.get_docstring(tree), re.M)
+    assert sorted(listed) == sorted(p.stem for p in init.parent.glob('*.py') if p.stem != '__init__')
+    for i, name in enumerate(listed):
+        inside = {m.rpartition('.')[2] for m in imports(init.parent / f'{name}.py')
+                  if m.startswith('collab_vit.training.')}
+        assert inside <= set(listed[i + 1:]), f'training/{name}.py imports {sorted(inside - set(listed[i + 1:]))}'
 
 
 def test_version_agrees_with_pyproject():

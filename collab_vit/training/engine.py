@@ -62,7 +62,8 @@ def on_terminal() -> bool:
 
 @dataclass
 class StepParts:
-    """What the training pass uses besides the model and the loader (built once by the trainer)."""
+    """What the training pass uses besides the model and the loader: the objects it steps and the settings of a
+    step (built once by :func:`~.build.assemble`)."""
 
     optimizer: torch.optim.Optimizer
     loss_fn: torch.nn.Module

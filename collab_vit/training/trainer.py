@@ -1,10 +1,10 @@
 """The training run, top to bottom (as DeiT's main.py): set-up from a :class:`TrainConfig`, resume, the epoch loop,
-checkpoints, export, and the run's log.
+checkpoints and export.
 
-``_train`` reads as timm's and DeiT's mains: the parts (:func:`~.build.assemble`, one :class:`~.build.Run`), resume
-(:func:`~.checkpoint.restore`), then per epoch one training pass (:mod:`.engine`), evaluation, and the checkpoint; a
-stop request checkpoints inside the epoch. Logging is on rank 0: one summary line per epoch, ``log.jsonl``, and
-optional wandb that never blocks a run.
+``_start`` builds the run (:func:`~.build.assemble`: one :class:`~.build.Run`, the one object the loop passes) and
+resumes it (:func:`~.checkpoint.restore` gives its :class:`~.checkpoint.Progress`); ``_train`` then reads as timm's
+and DeiT's mains: per epoch one training pass (:mod:`.engine`, an :class:`~.engine.EpochResult`), evaluation, and
+the checkpoint; a stop request checkpoints inside the epoch. Logging is rank 0's (:mod:`.runlog`).
 """
 from __future__ import annotations
 
