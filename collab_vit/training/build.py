@@ -73,6 +73,7 @@ class Run:
 
     @property
     def updates_per_epoch(self) -> int:
+        """Optimizer updates in a full pass over the training loader (the last window may be short)."""
         return math.ceil(len(self.train_loader) / self.cfg.accum_steps)
 
     @property
