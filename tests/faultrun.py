@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from collab_vit import weights_io  # noqa: E402
-from collab_vit.training import checkpoint  # noqa: E402
+from collab_vit.training import stop  # noqa: E402
 from collab_vit.training.trainer import main  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def install(spec: str) -> None:
     kind, *rest = spec.split(':')
     if kind == 'update':
         target, calls = int(rest[0]), [0]
-        original = checkpoint.StopRequest.requested
+        original = stop.StopRequest.requested
 
         def requested(self):
             calls[0] += 1
@@ -43,7 +43,7 @@ def install(spec: str) -> None:
                 _kill()
             return original(self)
 
-        checkpoint.StopRequest.requested = requested
+        stop.StopRequest.requested = requested
     elif kind in ('write', 'after'):
         name, target, calls = rest[0], int(rest[1]), [0]
         real_replace = os.replace

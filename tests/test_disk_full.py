@@ -18,7 +18,7 @@ from collab_vit.cli import main as cli_main
 from collab_vit.training.checkpoint import load_checkpoint, save_checkpoint
 from collab_vit.training.config import build_config, save_config
 from collab_vit.training.datasets import FILES, SIZES, ensure_digits
-from collab_vit.training.trainer import RunLogger
+from collab_vit.training.runlog import RunLogger
 from collab_vit.weights_io import WriteError, export_safetensors, read_weights
 from faultfs import disk_full_after, fill, listing, small_tmpfs
 from tinyrun import make_image_folder, tiny_data, tiny_overrides, to_flags  # noqa: F401 (fixture)

@@ -1,5 +1,6 @@
 """The package's layers import one way only: layers <- weights_io <- conversion <- models <- hub <- training <- cli."""
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
@@ -12,21 +13,30 @@ def part(module: str) -> str:
     return module.split('.')[1] if module.count('.') else '__init__'
 
 
+def module_name(path: Path) -> str:
+    """collab_vit/training/build.py -> 'collab_vit.training.build'; a package's __init__.py -> the package."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix('').parts
+    return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob('*.py')}
+
+
 def imports(path: Path) -> set:
-    name = '.'.join(path.relative_to(PACKAGE.parent).with_suffix('').parts)
+    """The package's modules ``path`` imports: every ``import`` and ``from ... import`` anywhere in it (under ``if
+    TYPE_CHECKING:`` and inside functions too), relative ones resolved; ``from M import n`` names the submodule
+    ``M.n`` where there is one, else ``M``."""
+    name = module_name(path)
     package = name if path.name == '__init__.py' else name.rpartition('.')[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split('.')[:len(package.split('.')) - node.level + 1]
-                module = '.'.join(base + ([node.module] if node.module else []))
-                found |= {f'{module}.{a.name}' if not node.module else module for a in node.names}
-            elif node.module and node.module.startswith('collab_vit'):
-                found.add(node.module)
+            base = package.split('.')[:len(package.split('.')) - node.level + 1] if node.level else []
+            module = '.'.join(base + ([node.module] if node.module else []))
+            found |= {f'{module}.{a.name}' if f'{module}.{a.name}' in MODULES else module for a in node.names}
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith('collab_vit')}
-    return {m for m in found if m.startswith('collab_vit.')}
+            found |= {a.name for a in node.names}
+    return {m for m in found if m in MODULES}
 
 
 def test_imports_go_one_way():
@@ -37,6 +47,57 @@ def test_imports_go_one_way():
             if RANK[part(module)] > RANK[own]:
                 wrong.append(f'{path.relative_to(PACKAGE.parent)} imports {module}')
     assert not wrong, wrong
+
+
+def find_cycle(edges: dict) -> list:
+    """One cycle of the graph ``edges`` (module -> modules it imports) as [a, b, ..., a], or [] when there is none."""
+    state, stack = {}, []  # state: 1 while on the stack, 2 when done
+
+    def visit(node: str) -> list:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        state[node] = 2
+        stack.pop()
+        return []
+
+    for node in sorted(edges):
+        cycle = [] if node in state else visit(node)
+        if cycle:
+            return cycle
+    return []
+
+
+def test_find_cycle_names_the_cycle():
+    assert find_cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}, 'd': {'a'}}) == ['a', 'b', 'c', 'a']
+    assert find_cycle({'a': {'b', 'c'}, 'b': {'c'}, 'c': set()}) == []
+
+
+def test_no_import_cycle():
+    """No module of the package imports, directly or through others, one that imports it back (``TYPE_CHECKING``
+    and function-level imports count: they tie the modules all the same)."""
+    cycle = find_cycle({name: imports(path) - {name} for name, path in MODULES.items()})
+    assert not cycle, 'import cycle: ' + ' -> '.join(cycle)
+
+
+def test_training_package_lists_its_modules_top_to_bottom():
+    """training/__init__.py imports nothing and names every module of training/, each importing only those it
+    lists below it."""
+    init = PACKAGE / 'training' / '__init__.py'
+    tree = ast.parse(init.read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    listed = re.findall(r'^\* ``(\w+)``', ast.get_docstring(tree), re.M)
+    assert sorted(listed) == sorted(p.stem for p in init.parent.glob('*.py') if p.stem != '__init__')
+    for i, name in enumerate(listed):
+        inside = {m.rpartition('.')[2] for m in imports(init.parent / f'{name}.py')
+                  if m.startswith('collab_vit.training.')}
+        assert inside <= set(listed[i + 1:]), f'training/{name}.py imports {sorted(inside - set(listed[i + 1:]))}'
 
 
 def test_version_agrees_with_pyproject():

@@ -10,7 +10,7 @@ import torch
 
 from collab_vit.training.checkpoint import load_checkpoint
 from collab_vit.training.config import build_config
-from collab_vit.training.checkpoint import STOP_FILE, StopRequest
+from collab_vit.training.stop import STOP_FILE, StopRequest
 from collab_vit.training.data import SkipFirstSampler
 from collab_vit.training.trainer import train
 

@@ -9,7 +9,8 @@ import torch
 from collab_vit.training import data, trainer
 from collab_vit.training.distributed import DistInfo
 from collab_vit.training.checkpoint import load_checkpoint, save_checkpoint
-from collab_vit.training.checkpoint import SAMPLE_ORDER, StopRequest
+from collab_vit.training.checkpoint import SAMPLE_ORDER
+from collab_vit.training.stop import StopRequest
 from collab_vit.training.data import EpochSeededSampler, SkipFirstSampler
 from collab_vit.training.config import build_config
 from collab_vit.training.trainer import train
@@ -73,10 +74,10 @@ def record_trained_samples(monkeypatch) -> list:
 
     def recording_epoch(model, loader, *args, **kwargs):
         epochs.append([])
-        record, num_updates = original_epoch(model, loader, *args, **kwargs)
+        result = original_epoch(model, loader, *args, **kwargs)
         batch_size = getattr(loader, 'loader', loader).batch_size
-        del epochs[-1][record['batches'] * batch_size:]
-        return record, num_updates
+        del epochs[-1][result.batches * batch_size:]
+        return result
 
     monkeypatch.setattr(SkipFirstSampler, '__iter__', recording_iter)
     monkeypatch.setattr(trainer, 'train_one_epoch', recording_epoch)

@@ -42,8 +42,8 @@ def test_accumulation_window_gradients_equal_one_large_batch():
     optimizer = GradRecorder(model.parameters())
     parts = StepParts(optimizer=optimizer, loss_fn=torch.nn.CrossEntropyLoss(), dist_info=DistInfo(),
                       accum_steps=2, progress=False)
-    metrics, updates = train_one_epoch(model, batches, parts, epoch=0, num_updates=0)
-    assert updates == 3 and metrics['batches'] == 5 and len(optimizer.grads) == 3
+    result = train_one_epoch(model, batches, parts, epoch=0, num_updates=0)
+    assert result.num_updates == 3 and result.batches == 5 and len(optimizer.grads) == 3
     for window, got in zip(([0, 1], [2, 3], [4]), optimizer.grads):
         model.zero_grad()
         x = torch.cat([batches[i][0] for i in window])
@@ -150,7 +150,7 @@ def recording_assemble(*args, **kwargs):  # the weights each rank's model and EM
     return run
 trainer.assemble = recording_assemble
 if os.environ.get('STOP_RANK') == os.environ['RANK']:  # this rank alone asks to stop at its STOP_AT-th update
-    from collab_vit.training.checkpoint import StopRequest
+    from collab_vit.training.stop import StopRequest
     calls, reason = [0], StopRequest.reason
     def asking(self):
         calls[0] += 1

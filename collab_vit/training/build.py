@@ -1,6 +1,6 @@
 """Building a run from its :class:`~.config.TrainConfig`: the model (timm's registry with ours registered; weights
-converted on load), the optimizer, the EMA, loss, schedule and loaders, gathered in :class:`Run`, the one state object
-the trainer carries. :func:`build_model` and :func:`fit_state` serve evaluation too.
+converted on load), the optimizer, the EMA, loss, schedule and loaders, gathered in :class:`Run`, which the trainer's
+loop passes. :func:`build_model` and :func:`fit_state` serve evaluation too.
 
 The optimizer is timm's ``create_optimizer_v2`` with its param groups and an lr multiplier for the mixing matrices.
 Why a multiplier (``docs/math.md``, "A learning rate for the mixing"): under Adam(W) every parameter moves by about
@@ -34,17 +34,21 @@ from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* wi
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
+from .checkpoint import Progress
 from .config import ConfigError, DataError, TrainConfig
 from .data import (SkipFirstSampler, build_dataset, build_eval_loader, build_mixup, build_train_loader,
                    check_classes, eval_data_config, eval_shard_size, make_skippable)
 from .distributed import DistInfo, barrier
 from .engine import StepParts, autocast_context
+from .runlog import RunLogger
+from .stop import StopRequest
 
 
 @dataclass
 class Run:
-    """One training run: what it trains with (built by :func:`assemble`) and where it stands (advanced by the
-    trainer's epoch loop, saved in every checkpoint, restored by :func:`~.checkpoint.restore`)."""
+    """One training run, the one object the trainer's loop passes: what it trains with (built once by
+    :func:`assemble`; ``step`` is the engine's share), where it stands (``progress``, what checkpoints record) and
+    its log (opened by the trainer once the run directory is written)."""
 
     cfg: TrainConfig
     model: torch.nn.Module  # DDP-wrapped when distributed
@@ -55,16 +59,8 @@ class Run:
     val_samples: Optional[int]  # real samples of this rank's eval shard; None: the loader yields each once
     data_cfg: Dict[str, Any]  # the evaluation pipeline (recorded in checkpoints and exports)
     model_kwargs: Dict[str, Any]  # as recorded in checkpoints and exports
-    updates_per_epoch: int
-    evaluate_ema: bool  # see ema_evaluable
-    # where the run stands
-    start_epoch: int = 0  # the first epoch this invocation trains
-    num_updates: int = 0  # optimizer updates so far
-    batches_done: int = 0  # > 0: batches of the current epoch already trained (a stop inside it)
-    best_top1: float = -1.0
-    best_epoch: int = -1
-    metrics: Dict[str, float] = field(default_factory=dict)  # the last evaluation's
-    bad_images: int = 0  # unreadable images skipped so far, over all ranks (skip_bad_images)
+    progress: Progress = field(default_factory=Progress)
+    log: Optional[RunLogger] = None
 
     @property
     def dist_info(self) -> DistInfo:
@@ -74,6 +70,16 @@ class Run:
     def unwrapped(self) -> torch.nn.Module:
         """The model without its DDP wrapper."""
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    @property
+    def updates_per_epoch(self) -> int:
+        """Optimizer updates in a full pass over the training loader (the last window may be short)."""
+        return math.ceil(len(self.train_loader) / self.cfg.accum_steps)
+
+    @property
+    def evaluate_ema(self) -> bool:
+        """See :func:`ema_evaluable`."""
+        return ema_evaluable(self.step.model_ema, self.dist_info.device)
 
 
 def scaled_lr(cfg: TrainConfig, world_size: int) -> Tuple[int, float]:
@@ -159,7 +165,8 @@ def _wrap(cfg: TrainConfig, model: torch.nn.Module, dist_info: DistInfo, ckpt: O
     return model, model_ema
 
 
-def _step_parts(cfg: TrainConfig, dist_info: DistInfo, optimizer, mixup, model_ema, stop_request) -> StepParts:
+def _step_parts(cfg: TrainConfig, dist_info: DistInfo, optimizer, mixup, model_ema,
+                stop_request: Optional[StopRequest]) -> StepParts:
     device, prefetch = dist_info.device, dist_info.device.type == 'cuda'
     use_fp16 = cfg.amp and device.type == 'cuda' and cfg.amp_dtype in ('float16', 'fp16')
     return StepParts(
@@ -173,9 +180,9 @@ def _step_parts(cfg: TrainConfig, dist_info: DistInfo, optimizer, mixup, model_e
 
 
 def assemble(cfg: TrainConfig, dist_info: DistInfo, ckpt: Optional[Dict[str, Any]], ckpt_path: str,
-             stop_request) -> Run:
-    """Build every part of the run; with ``ckpt`` the model and EMA get its weights (the rest is restored by
-    :func:`~.checkpoint.restore`)."""
+             stop_request: Optional[StopRequest]) -> Run:
+    """Build every part of the run, at its start; with ``ckpt`` the model and EMA get its weights (the rest is
+    restored by :func:`~.checkpoint.restore`)."""
     model, model_kwargs = _model(cfg)
     train_set, val_set = _datasets(cfg, dist_info)
     _load_start_weights(model, cfg, ckpt, ckpt_path)
@@ -191,14 +198,14 @@ def assemble(cfg: TrainConfig, dist_info: DistInfo, ckpt: Optional[Dict[str, Any
     if len(train_loader) == 0:
         raise DataError(f'{len(train_set)} training images in {os.path.abspath(cfg.data_dir)} make no full batch of '
                         f'{cfg.batch_size} per process on {dist_info.world_size} process(es)')
-    updates_per_epoch = math.ceil(len(train_loader) / cfg.accum_steps)
     step = _step_parts(cfg, dist_info, optimizer, mixup, model_ema, stop_request)
+    val_samples = eval_shard_size(val_set, dist_info, cfg.num_workers)
+    run = Run(cfg, model, step, train_loader, val_loader, skipper, val_samples, data_cfg, model_kwargs)
     step.scheduler, _ = create_scheduler_v2(
         optimizer, sched=cfg.sched, num_epochs=cfg.epochs, min_lr=cfg.min_lr, warmup_lr=cfg.warmup_lr,
-        warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates, updates_per_epoch=updates_per_epoch)
-    val_samples = eval_shard_size(val_set, dist_info, cfg.num_workers)
-    return Run(cfg, model, step, train_loader, val_loader, skipper, val_samples, data_cfg, model_kwargs,
-               updates_per_epoch, ema_evaluable(model_ema, dist_info.device))
+        warmup_epochs=cfg.warmup_epochs, step_on_epochs=not cfg.sched_on_updates,
+        updates_per_epoch=run.updates_per_epoch)
+    return run
 
 
 _logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""Checkpoints: what they hold, writing and loading them, resuming from one, and the stop request that writes one
-inside an epoch.
+"""Checkpoints: what they hold, writing and loading them, and resuming from one (a stop request, :mod:`.stop`, writes
+one inside an epoch).
 
 A training checkpoint is a dict of tensors and plain Python types only, so it loads with
 ``torch.load(weights_only=True)``: ``model``, ``model_ema`` (state dicts), ``optimizer``, ``scheduler``, ``scaler``,
@@ -22,16 +22,6 @@ accum / lr_base_batch``), the schedule is rebuilt for the new updates per epoch 
 the update counter becomes ``epochs done x updates per epoch`` (as timm's train.py counts it); optimizer moments, EMA
 and best top-1 carry over. Checkpoints written before the geometry was recorded resume with one warning, their
 geometry read from their config and the number of their RNG states.
-
-Stopping early and cleanly (:class:`StopRequest`): on a signal or a ``STOP`` file, every rank leaves at the same
-optimizer update, with a checkpoint. Slurm (``--signal``), ``scancel --signal`` or a user sends SIGUSR1 / SIGTERM to
-the trainer, or anyone creates ``<output>/STOP`` (the Slurm scripts do this when the batch shell is signalled: it
-reaches every node through the shared run directory). The training loop asks :meth:`StopRequest.requested` at each
-update boundary (host only) and the ranks agree on the answer at the loop's next read (every ``log_interval`` updates
-and at the end of a pass, see :mod:`.engine`; in one process at once), so they checkpoint after the same step and
-exit. The longest delay between a request and the stop is thus ``log_interval`` updates plus the checkpoint write:
-Slurm's ``--signal`` lead time must cover it. Repeated signals change nothing (under Slurm a worker gets SIGTERM both
-from slurmstepd and from its torchrun agent); SIGINT (Ctrl-C) still ends a run at once.
 """
 from __future__ import annotations
 
@@ -41,8 +31,8 @@ import os
 import random
 import re
 import shutil
-import signal
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -50,10 +40,12 @@ import torch.distributed as dist
 import yaml
 
 from ..weights_io import WeightsError, atomic_write, remove_stale_temps, torch_load
-from .config import ConfigError
+from .config import ConfigError, TrainConfig
 
 if TYPE_CHECKING:
-    from .build import Run
+    from .data import SkipFirstSampler
+    from .distributed import DistInfo
+    from .engine import StepParts
 
 RESULT_FILES = ('last.pth', 'log.jsonl', 'model.safetensors', 'best.pth')
 # what a run directory may hold besides hidden files: this package's files, the Slurm scripts' logs/, wandb's folder
@@ -65,8 +57,6 @@ WRITTEN_FILES = ('last.pth', 'best.pth', 'epoch_', 'log.jsonl', 'config.yaml', '
 IDENTITY_KEYS = ('model', 'model_kwargs', 'num_classes', 'img_size', 'in_chans')
 GEOMETRY_KEYS = ('batch_size', 'world_size', 'accum_steps')
 SAMPLE_ORDER = 'epoch_seeded'  # marks mid-epoch checkpoints whose single-process order is EpochSeededSampler's
-STOP_FILE = 'STOP'
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def save_checkpoint(state: Dict[str, Any], path: str) -> None:
@@ -274,20 +264,42 @@ def check_geometry(ckpt: Dict[str, Any], new: Dict[str, int], path: str) -> Opti
     return change
 
 
-def checkpoint_state(run: Run, epoch: int, rng_all: list, metrics: Dict[str, Any],
-                     batches_done: int = 0) -> Dict[str, Any]:
-    """The training checkpoint (keys in the module docstring); ``epoch`` is the last finished one and
-    ``batches_done`` the batches already trained of the next (0 at an epoch boundary)."""
-    step, cfg = run.step, run.cfg
+@dataclass
+class Progress:
+    """Where a run stands, advanced by the trainer's epoch loop: what checkpoints record of it and :func:`restore`
+    sets back (``bad_images`` and ``epoch_rng`` are this invocation's)."""
+
+    start_epoch: int = 0  # the first epoch this invocation trains
+    num_updates: int = 0  # optimizer updates so far
+    batches_done: int = 0  # > 0: batches of the current epoch already trained (a stop inside it)
+    best_top1: float = -1.0
+    best_epoch: int = -1
+    metrics: Dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    bad_images: int = 0  # unreadable images skipped so far, over all ranks (skip_bad_images)
+    epoch_rng: Optional[Dict[str, Any]] = None  # this rank's RNG states at the start of the epoch being trained
+
+
+def checkpoint_state(model: torch.nn.Module, step: StepParts, progress: Progress, epoch: int, rng_all: list,
+                     metrics: Dict[str, Any], about: Dict[str, Any]) -> Dict[str, Any]:
+    """The training checkpoint (keys in the module docstring): ``model``'s weights, the state of what ``step``
+    steps (optimizer, schedule, loss scaler, EMA), where the run stands (``epoch`` is the last finished one,
+    ``progress.batches_done`` the batches already trained of the next: 0 at an epoch boundary), every rank's RNG
+    states, the epoch's ``metrics`` and what run it is (``about``, :func:`run_record`)."""
     return {
-        'model': run.unwrapped.state_dict(), 'optimizer': step.optimizer.state_dict(),
+        'model': model.state_dict(), 'optimizer': step.optimizer.state_dict(),
         'scheduler': step.scheduler.state_dict(), 'scaler': step.loss_scaler.state_dict() if step.loss_scaler else None,
         'model_ema': step.model_ema.module.state_dict() if step.model_ema is not None else None,
-        'epoch': epoch, 'batches_done': batches_done, 'step': run.num_updates, 'best_top1': run.best_top1,
-        'best_epoch': run.best_epoch, 'rng': rng_all, 'config': cfg.to_dict(), 'model_name': cfg.model,
-        'model_kwargs': run.model_kwargs, 'geometry': run_geometry(run), 'data_config': plain(run.data_cfg),
+        'epoch': epoch, 'batches_done': progress.batches_done, 'step': progress.num_updates,
+        'best_top1': progress.best_top1, 'best_epoch': progress.best_epoch, 'rng': rng_all, **about,
         'metrics': metrics,
     }
+
+
+def run_record(cfg: TrainConfig, world_size: int, model_kwargs: Dict[str, Any],
+               data_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """What a checkpoint records of the run it comes from: its config, model, geometry and evaluation pipeline."""
+    return {'config': cfg.to_dict(), 'model_name': cfg.model, 'model_kwargs': model_kwargs,
+            'geometry': run_geometry(cfg, world_size), 'data_config': plain(data_cfg)}
 
 
 def plain(data_cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -304,105 +316,57 @@ def gather_rng(state: Dict[str, Any]) -> list:
     return states
 
 
-def run_geometry(run: Run) -> Dict[str, int]:
-    """The geometry of ``run`` as it runs now."""
-    return geometry(run.cfg.batch_size, run.dist_info.world_size, run.cfg.accum_steps)
+def run_geometry(cfg: TrainConfig, world_size: int) -> Dict[str, int]:
+    """The geometry of a run of ``cfg`` on ``world_size`` processes."""
+    return geometry(cfg.batch_size, world_size, cfg.accum_steps)
 
 
-def restore(run: Run, ckpt: Dict[str, Any], path: str) -> List[str]:
-    """Load optimizer, scheduler and scaler state from ``ckpt`` into the freshly built ``run`` and place it where
-    the checkpoint stopped (the model and EMA weights were loaded at build time); returns lines for the log."""
-    step, notes = run.step, []
+def restore(ckpt: Dict[str, Any], path: str, step: StepParts, skipper: SkipFirstSampler, now: Dict[str, int],
+            updates_per_epoch: int) -> Tuple[Progress, List[str]]:
+    """Where ``ckpt`` stopped, and lines for the log. Its optimizer, scheduler and scaler states are loaded into the
+    freshly built ``step`` (the model and EMA weights were loaded at build time); a stop inside an epoch also sets
+    ``skipper`` to restore the RNG states at the stop. ``now``: the geometry the run resumes with, at
+    ``updates_per_epoch``."""
+    notes = []
     fresh_lrs = [g.get('initial_lr', g['lr']) for g in step.optimizer.param_groups]
     step.optimizer.load_state_dict(ckpt['optimizer'])
     if step.loss_scaler is not None and ckpt.get('scaler'):
         step.loss_scaler.load_state_dict(ckpt['scaler'])
-    run.start_epoch, run.num_updates, run.batches_done = ckpt['epoch'] + 1, ckpt['step'], ckpt.get('batches_done', 0)
-    run.best_top1, run.best_epoch = ckpt['best_top1'], ckpt['best_epoch']
+    progress = Progress(start_epoch=ckpt['epoch'] + 1, num_updates=ckpt['step'],
+                        batches_done=ckpt.get('batches_done', 0), best_top1=ckpt['best_top1'],
+                        best_epoch=ckpt['best_epoch'])
     old, inferred = recorded_geometry(ckpt)
     if inferred:
         notes.append(f'warning: {path} was written before checkpoints recorded batch size, world size and '
                      f'accumulation: taken from its config and RNG states ({geometry_text(old)})')
-    change = check_geometry(ckpt, run_geometry(run), path)
+    change = check_geometry(ckpt, now, path)
     if change:  # at an epoch end: the new global batch's lr, the schedule rebuilt and placed at the epoch reached
         for group, lr in zip(step.optimizer.param_groups, fresh_lrs):
             group['initial_lr'] = lr
-        run.num_updates = run.start_epoch * run.updates_per_epoch
+        progress.num_updates = progress.start_epoch * updates_per_epoch
         notes.append(f'resuming with other values ({change}): lr {fresh_lrs[0]:.3g} for the new global batch, '
-                     f'schedule at epoch {run.start_epoch} = update {run.num_updates} '
-                     f'({run.updates_per_epoch} per epoch)')
+                     f'schedule at epoch {progress.start_epoch} = update {progress.num_updates} '
+                     f'({updates_per_epoch} per epoch)')
     else:
         step.scheduler.load_state_dict(ckpt['scheduler'])
-    notes += _restore_inside_epoch(run, ckpt, path)
+    notes += _restore_inside_epoch(ckpt, path, progress, skipper, step.dist_info)
     if step.sched_on_updates:
-        step.scheduler.step_update(run.num_updates)
+        step.scheduler.step_update(progress.num_updates)
     else:
-        step.scheduler.step(run.start_epoch)
-    return notes
+        step.scheduler.step(progress.start_epoch)
+    return progress, notes
 
 
-def _restore_inside_epoch(run: Run, ckpt: Dict[str, Any], path: str) -> List[str]:
+def _restore_inside_epoch(ckpt: Dict[str, Any], path: str, progress: Progress, skipper: SkipFirstSampler,
+                          dist_info: DistInfo) -> List[str]:
     """A stop inside an epoch: the RNG states at the stop, restored once the trained batches are skipped. At an
     epoch end: the last metrics (the final summary of a run killed after its last checkpoint, before its export)."""
-    if not run.batches_done:
-        run.metrics = {k: v for k, v in (ckpt.get('metrics') or {}).items() if k in ('top1', 'top5')}
+    if not progress.batches_done:
+        progress.metrics = {k: v for k, v in (ckpt.get('metrics') or {}).items() if k in ('top1', 'top5')}
         return []
-    dist_info = run.dist_info
     if len(ckpt['rng_at_stop']) == dist_info.world_size:
-        run.skipper.after_skip = functools.partial(set_rng_state, ckpt['rng_at_stop'][dist_info.rank])
+        skipper.after_skip = functools.partial(set_rng_state, ckpt['rng_at_stop'][dist_info.rank])
     if not dist_info.distributed and ckpt.get('sample_order') != SAMPLE_ORDER:
         return [f'warning: {path} was written inside an epoch by an older version whose sample order differs: the '
-                f'rest of epoch {run.start_epoch} may repeat or miss some samples']
+                f'rest of epoch {progress.start_epoch} may repeat or miss some samples']
     return []
-
-
-class StopRequest:
-    """Collects stop requests (signals, ``<output>/STOP``) and turns them into one decision shared by all ranks."""
-
-    def __init__(self, output: str, is_main: bool, signals: Sequence[signal.Signals] = STOP_SIGNALS) -> None:
-        self.stop_file = os.path.join(output, STOP_FILE)
-        self.is_main = is_main
-        self.received: Optional[str] = None
-        self.decided: Optional[str] = None  # why the ranks agreed to stop ('another rank' where this one had none)
-        self.pending: Optional[str] = None  # this rank's reason, kept until the ranks agree
-        self._previous = {}
-        for sig in signals:
-            try:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread (e.g. a test runner): files still work
-                pass
-
-    def _on_signal(self, signum: int, frame) -> None:
-        self.received = signal.Signals(signum).name
-
-    def reason(self) -> Optional[str]:
-        """Why this rank wants to stop (a signal name or the stop file), or None."""
-        if self.received:
-            return self.received
-        if self.is_main and os.path.exists(self.stop_file):
-            return STOP_FILE
-        return None
-
-    def requested(self) -> bool:
-        """Whether this rank has a reason to stop (asked once per optimizer update; host only, no collective). The
-        reason is kept until the ranks agree (:meth:`agree`), which the training loop does at its next read."""
-        self.pending = self.pending or self.reason()
-        return self.pending is not None
-
-    def agree(self, wanted_here: bool) -> None:
-        """Record that the ranks agreed to stop (``wanted_here``: this rank had a reason itself)."""
-        self.decided = (self.pending if wanted_here else None) or 'another rank'
-        self.pending = None
-
-    def acknowledge(self) -> bool:
-        """Remove the stop file (rank 0) once it is answered, or a stale one at start; True when there was one."""
-        if self.is_main and os.path.exists(self.stop_file):
-            os.remove(self.stop_file)
-            return True
-        return False
-
-    def restore_handlers(self) -> None:
-        """Put back the signal handlers that were there before."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}

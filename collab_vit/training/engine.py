@@ -23,7 +23,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
 
 if TYPE_CHECKING:
-    from .checkpoint import StopRequest
+    from .stop import StopRequest
 
 
 class NonFiniteLossError(RuntimeError):
@@ -62,7 +62,8 @@ def on_terminal() -> bool:
 
 @dataclass
 class StepParts:
-    """What the training pass uses besides the model and the loader (built once by the trainer)."""
+    """What the training pass uses besides the model and the loader: the objects it steps and the settings of a
+    step (built once by :func:`~.build.assemble`)."""
 
     optimizer: torch.optim.Optimizer
     loss_fn: torch.nn.Module
@@ -174,14 +175,35 @@ def _end_window(model, parts: StepParts, skips: _Skips, num_updates: int) -> boo
     return updated
 
 
-def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int,
-                    num_updates: int) -> tuple[Dict[str, Any], int]:
-    """Train for one pass over ``loader``; returns (epoch metrics reduced over ranks, optimizer updates so far).
+@dataclass
+class EpochResult:
+    """What one training pass did, reduced over ranks where it is a mean or a rate."""
+
+    train_loss: float  # mean over the pass's finite-loss samples
+    lr: float  # of the first param group, at the end of the pass
+    img_per_s: float
+    train_time: float  # seconds
+    batches: int  # batches this rank trained in the pass
+    stopped: bool  # the ranks agreed on a stop request inside the pass
+    nonfinite_skipped: int  # batches skipped for a non-finite loss (skip_nonfinite)
+    num_updates: int  # optimizer updates so far (of the run: the count the pass started from, advanced)
+
+    def record(self) -> Dict[str, Any]:
+        """The training entries of the epoch's record (``log.jsonl``); ``nonfinite_skipped`` only when not 0."""
+        record = {'train_loss': self.train_loss, 'lr': self.lr, 'img_per_s': self.img_per_s,
+                  'train_time': self.train_time}
+        if self.nonfinite_skipped:
+            record['nonfinite_skipped'] = self.nonfinite_skipped
+        return record
+
+
+def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int, num_updates: int) -> EpochResult:
+    """Train for one pass over ``loader``, starting at ``num_updates`` optimizer updates; returns what it did.
 
     Accumulation: every window of ``accum_steps`` batches (the last one of a pass may be shorter) makes one update
     from the mean loss over its batches, so its gradient is that of one batch of the window's samples.
     With ``stop_request``, all ranks leave together after the update at which they agreed on a stop (see the
-    module docstring for when); the metrics then say ``stopped: True`` and ``batches`` counts the batches trained.
+    module docstring for when); the result then says ``stopped`` and ``batches`` counts the batches trained.
     A NaN/inf loss (on any rank) raises :class:`NonFiniteLossError` naming the epoch and the first bad update, at
     the next read; the weights in memory may then be non-finite, and are never saved. With ``skip_nonfinite`` the
     batch is checked at once, gets no backward pass and its window no update (``nonfinite_skipped`` counts them);
@@ -194,10 +216,7 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
     samples = batches = 0
     totals, read_at, i = None, None, -1
     start = time.perf_counter()
-    show = parts.progress and dist_info.is_main
-    lines = show and not on_terminal()
-    bar = tqdm(loader, total=num_batches, desc=f'epoch {epoch}', leave=False, dynamic_ncols=True,
-               disable=not show or lines)
+    bar, lines = _progress_bar(loader, parts, epoch)
     parts.optimizer.zero_grad(set_to_none=True)
     for i, (images, targets) in enumerate(bar):
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -231,14 +250,29 @@ def train_one_epoch(model: torch.nn.Module, loader, parts: StepParts, epoch: int
     bar.close()
     if read_at != i:  # the loader ended before len(loader) batches (an iterable set): read before any save
         totals = _checked_read(tally, False, samples, epoch, num_batches, bar)
+    return _epoch_result(totals, parts, start, batches, skips.total, num_updates)
+
+
+def _progress_bar(loader, parts: StepParts, epoch: int) -> Tuple[Any, bool]:
+    """The pass's progress on rank 0: a tqdm bar on a terminal, or (``lines``: True) plain lines in a log file."""
+    show = parts.progress and parts.dist_info.is_main
+    lines = show and not on_terminal()
+    bar = tqdm(loader, total=len(loader), desc=f'epoch {epoch}', leave=False, dynamic_ncols=True,
+               disable=not show or lines)
+    return bar, lines
+
+
+def _epoch_result(totals: Dict[str, float], parts: StepParts, start: float, batches: int, nonfinite_skipped: int,
+                  num_updates: int) -> EpochResult:
+    """The pass's result from its last read (the time taken once the device is done)."""
+    device = parts.dist_info.device
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    metrics = {'train_loss': totals['loss_sum'] / max(totals['count'], 1),
-               'lr': parts.optimizer.param_groups[0]['lr'], 'img_per_s': totals['samples'] / elapsed,
-               'train_time': elapsed, 'batches': batches, 'stopped': bool(totals['stop']),
-               'nonfinite_skipped': skips.total}
-    return metrics, num_updates
+    return EpochResult(train_loss=totals['loss_sum'] / max(totals['count'], 1),
+                       lr=parts.optimizer.param_groups[0]['lr'], img_per_s=totals['samples'] / elapsed,
+                       train_time=elapsed, batches=batches, stopped=bool(totals['stop']),
+                       nonfinite_skipped=nonfinite_skipped, num_updates=num_updates)
 
 
 def _checked_read(tally: DeviceTally, stop_here: bool, samples: int, epoch: int, num_batches: int,

@@ -1,18 +1,16 @@
 """The training run, top to bottom (as DeiT's main.py): set-up from a :class:`TrainConfig`, resume, the epoch loop,
-checkpoints, export, and the run's log.
+checkpoints and export.
 
-``_train`` reads as timm's and DeiT's mains: the parts (:func:`~.build.assemble`, one :class:`~.build.Run`), resume
-(:func:`~.checkpoint.restore`), then per epoch one training pass (:mod:`.engine`), evaluation, and the checkpoint; a
-stop request checkpoints inside the epoch. Logging is on rank 0: one summary line per epoch, ``log.jsonl``, and
-optional wandb that never blocks a run.
+``_start`` builds the run (:func:`~.build.assemble`: one :class:`~.build.Run`, the one object the loop passes) and
+resumes it (:func:`~.checkpoint.restore` gives its :class:`~.checkpoint.Progress`); ``_train`` then reads as timm's
+and DeiT's mains: per epoch one training pass (:mod:`.engine`, an :class:`~.engine.EpochResult`), evaluation, and
+the checkpoint; a stop request checkpoints inside the epoch. Logging is rank 0's (:mod:`.runlog`).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional, Union
@@ -20,14 +18,16 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from timm.utils import random_seed
 
-from ..weights_io import WeightsError, WriteError, append_line, export_safetensors, one_line, torch_load
+from ..weights_io import WeightsError, WriteError, export_safetensors, one_line, torch_load
 from .build import Run, assemble, scaled_lr
-from .checkpoint import (SAMPLE_ORDER, StopRequest, check_geometry, check_run_dir, check_same_run, checkpoint_state,
-                         gather_rng, geometry, load_training_checkpoint, plain, prepare_run_dir, repair_run_dir,
-                         restore, rng_state, save_checkpoint, set_rng_state)
+from .checkpoint import (SAMPLE_ORDER, check_geometry, check_run_dir, check_same_run, checkpoint_state, gather_rng,
+                         load_training_checkpoint, plain, prepare_run_dir, repair_run_dir, restore, rng_state,
+                         run_geometry, run_record, save_checkpoint, set_rng_state)
 from .config import ConfigError, DataError, TrainConfig, parse_train_args, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, cleanup_distributed, init_distributed
-from .engine import NonFiniteLossError, evaluate, train_one_epoch
+from .engine import EpochResult, NonFiniteLossError, evaluate, train_one_epoch
+from .runlog import RunLogger
+from .stop import StopRequest
 
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> Union[int, List[int]]:
@@ -120,90 +120,105 @@ def _checkpoint_to_resume(cfg: TrainConfig, dist_info: DistInfo) -> Optional[Dic
         return None
     ckpt = load_training_checkpoint(last_path)
     check_same_run(ckpt, cfg.to_dict(), last_path)
-    check_geometry(ckpt, geometry(cfg.batch_size, dist_info.world_size, cfg.accum_steps), last_path)
+    check_geometry(ckpt, run_geometry(cfg, dist_info.world_size), last_path)
     return ckpt
 
 
-def _open_run_dir(run: Run, stop_request: StopRequest, ckpt: Optional[Dict[str, Any]], notes: List[str]) -> RunLogger:
-    """Only now is anything written: the run directory, repaired after a crash when resuming, and the config."""
-    cfg, dist_info, repaired = run.cfg, run.dist_info, []
+def _open_run_dir(run: Run, ckpt: Optional[Dict[str, Any]], notes: List[str]) -> None:
+    """Only now is anything written: the run directory, repaired after a crash when resuming, the config, and the
+    run's log (``run.log``)."""
+    cfg, dist_info, repaired, stop_request = run.cfg, run.dist_info, [], run.step.stop_request
     if dist_info.is_main:
         repaired = prepare_run_dir(cfg.output)
         if ckpt is not None:
             repaired += repair_run_dir(cfg.output, ckpt, cfg.checkpoint_every)
         save_config(cfg, os.path.join(cfg.output, 'config.yaml'))
     barrier()
-    log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
-                    cfg.experiment, ckpt is not None)
+    run.log = log = RunLogger(cfg.output, dist_info.is_main, cfg.to_dict(), cfg.log_wandb, cfg.wandb_project,
+                              cfg.experiment, ckpt is not None)
     if stop_request.acknowledge():
         log.info(f'removed a stale {stop_request.stop_file} from an earlier invocation')
     if repaired:
         log.info(f'after an interrupted run: removed or rewrote {", ".join(os.path.basename(r) for r in repaired)}')
     if ckpt is not None:
-        within = f', after batch {run.batches_done} of that epoch' if run.batches_done else ''
-        log.info(f'resumed {cfg.output} at epoch {run.start_epoch}{within} (step {run.num_updates})')
+        progress = run.progress
+        within = f', after batch {progress.batches_done} of that epoch' if progress.batches_done else ''
+        log.info(f'resumed {cfg.output} at epoch {progress.start_epoch}{within} (step {progress.num_updates})')
     for note in notes:
         log.info(note)
-    return log
 
 
-def _log_start(run: Run, key_dim, log: RunLogger) -> None:
-    cfg, dist_info = run.cfg, run.dist_info
+def _key_dim(run: Run) -> Union[int, List[int]]:
+    """The run's key dim (:func:`key_dim_of`), for its log and summary."""
+    return key_dim_of(run.unwrapped, run.cfg.model, run.cfg.model_kwargs)
+
+
+def _log_start(run: Run) -> None:
+    cfg, dist_info, log = run.cfg, run.dist_info, run.log
     if run.step.model_ema is not None and not run.evaluate_ema:
         log.info('the EMA is kept on the cpu (model_ema_force_cpu): as in timm, it is not evaluated during training; '
                  'its weights are saved and exported (evaluate them with eval.py)')
     global_batch, lr = scaled_lr(cfg, dist_info.world_size)
     num_params = sum(p.numel() for p in run.unwrapped.parameters())
-    log.info(f'{cfg.model} (key dim {key_dim}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
+    log.info(f'{cfg.model} (key dim {_key_dim(run)}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
              f'{dist_info.device.type}: {len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val '
              f'images, global batch {global_batch}, lr {lr:.3g}, {cfg.epochs} epochs')
 
 
-def _restore_rng(rng_states: Optional[list], dist_info: DistInfo, log: RunLogger) -> None:
+def _restore_rng(run: Run, rng_states: Optional[list]) -> None:
     """The resumed RNG streams: the last thing before the loop, so nothing above shifts them."""
+    dist_info = run.dist_info
     if rng_states is None:
         return
     if len(rng_states) == dist_info.world_size:
         set_rng_state(rng_states[dist_info.rank])
     else:
-        log.info(f'warning: checkpoint has RNG states for {len(rng_states)} ranks, running on '
-                 f'{dist_info.world_size}: RNG streams are not restored')
+        run.log.info(f'warning: checkpoint has RNG states for {len(rng_states)} ranks, running on '
+                     f'{dist_info.world_size}: RNG streams are not restored')
 
 
-def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Dict[str, Any]:
+def _start(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Run:
+    """The run, at its start or where its checkpoint stopped, its directory written and its log open."""
     _set_up_process(cfg, dist_info)
     ckpt = _checkpoint_to_resume(cfg, dist_info)  # checks that write nothing come first (then model, data, weights)
     last_path = os.path.join(cfg.output, 'last.pth')
     run = assemble(cfg, dist_info, ckpt, last_path, stop_request)
-    notes = [] if ckpt is None else restore(run, ckpt, last_path)
-    log = _open_run_dir(run, stop_request, ckpt, notes)
+    notes = []
+    if ckpt is not None:
+        run.progress, notes = restore(ckpt, last_path, run.step, run.skipper, run_geometry(cfg, dist_info.world_size),
+                                      run.updates_per_epoch)
+    _open_run_dir(run, ckpt, notes)
     rng_states = None if ckpt is None else ckpt['rng']
     del ckpt
-    key_dim = key_dim_of(run.unwrapped, cfg.model, cfg.model_kwargs)
-    _log_start(run, key_dim, log)
-    _restore_rng(rng_states, dist_info, log)
-    epochs_run = 0
-    for epoch in range(run.start_epoch, cfg.epochs):
+    _log_start(run)
+    _restore_rng(run, rng_states)
+    return run
+
+
+def _train(cfg: TrainConfig, dist_info: DistInfo, stop_request: StopRequest) -> Dict[str, Any]:
+    run = _start(cfg, dist_info, stop_request)
+    progress, epochs_run = run.progress, 0
+    for epoch in range(progress.start_epoch, cfg.epochs):
         start = time.perf_counter()
-        epoch_rng = rng_state()  # what a mid-epoch checkpoint stores (the sampler's order depends on the epoch only)
-        record = _train_epoch(run, epoch, log)
-        stopped = record.pop('stopped')
-        if stopped and run.batches_done:
-            return _stop_inside_epoch(run, epoch, epoch_rng, record, log)
+        progress.epoch_rng = rng_state()  # what a mid-epoch checkpoint stores (the sampler's order: the epoch's)
+        result = _train_epoch(run, epoch)
+        record = result.record()
+        if result.stopped and progress.batches_done:
+            return _stop_inside_epoch(run, epoch, record)
         if not cfg.sched_on_updates:
             run.step.scheduler.step(epoch + 1)
-        _evaluate_epoch(run, epoch, record, log)
-        record.update(epoch=epoch, step=run.num_updates, epoch_time=time.perf_counter() - start)
+        _evaluate_epoch(run, epoch, record)
+        record.update(epoch=epoch, step=progress.num_updates, epoch_time=time.perf_counter() - start)
         _save_epoch(run, epoch, record)
-        log.log_epoch(record)
+        run.log.log_epoch(record)
         epochs_run += 1
-        if _stop_after_epoch(run, epoch, epochs_run, stopped, log):
-            return {'stopped_at_epoch': epoch, 'batches_done': 0, 'step': run.num_updates, 'output': cfg.output}
-    stop_request.acknowledge()  # a stop asked for during the last epoch has nothing left to stop
-    return _finish(run, key_dim, log)
+        if _stop_after_epoch(run, epoch, epochs_run, result.stopped):
+            return {'stopped_at_epoch': epoch, 'batches_done': 0, 'step': progress.num_updates, 'output': cfg.output}
+    run.step.stop_request.acknowledge()  # a stop asked for during the last epoch has nothing left to stop
+    return _finish(run)
 
 
-def _stop_after_epoch(run: Run, epoch: int, epochs_run: int, stopped: bool, log: RunLogger) -> bool:
+def _stop_after_epoch(run: Run, epoch: int, epochs_run: int, stopped: bool) -> bool:
     """Whether to leave after ``epoch`` (``stop_after``, or a stop request answered at the epoch's end)."""
     cfg, stop_request = run.cfg, run.step.stop_request
     stop_reason = 'stop_after' if cfg.stop_after and epochs_run >= cfg.stop_after else None
@@ -212,62 +227,62 @@ def _stop_after_epoch(run: Run, epoch: int, epochs_run: int, stopped: bool, log:
     if not (stop_reason and epoch + 1 < cfg.epochs):
         return False
     stop_request.acknowledge()
-    log.info(f'stopping after epoch {epoch} ({stop_reason}); continue with --resume')
-    log.finish()
+    run.log.info(f'stopping after epoch {epoch} ({stop_reason}); continue with --resume')
+    run.log.finish()
     return True
 
 
-def _train_epoch(run: Run, epoch: int, log: RunLogger) -> Dict[str, Any]:
-    """One training pass (the rest of the epoch after a mid-epoch resume); ``run`` advances. A non-finite loss
-    becomes the run's one-line error."""
-    cfg = run.cfg
-    run.skipper.skip = run.batches_done * cfg.batch_size
+def _train_epoch(run: Run, epoch: int) -> EpochResult:
+    """One training pass (the rest of the epoch after a mid-epoch resume); ``run.progress`` advances. A non-finite
+    loss becomes the run's one-line error."""
+    cfg, progress = run.cfg, run.progress
+    run.skipper.skip = progress.batches_done * cfg.batch_size
     if hasattr(run.train_loader.sampler, 'set_epoch'):
         run.train_loader.sampler.set_epoch(epoch)
     try:
-        record, run.num_updates = train_one_epoch(run.model, run.train_loader, run.step, epoch, run.num_updates)
+        result = train_one_epoch(run.model, run.train_loader, run.step, epoch, progress.num_updates)
     except NonFiniteLossError as e:
         hint = '' if cfg.skip_nonfinite_loss else ' (lower the lr, set clip_grad, or skip such batches with ' \
                                                   'skip_nonfinite_loss: true)'
         raise NonFiniteLossError(f'{e}: training stopped; {_last_good(cfg.output, run.dist_info)}{hint}') from None
-    skipped = record.pop('nonfinite_skipped')
-    if skipped:
-        record['nonfinite_skipped'] = skipped
-        log.info(f'warning: epoch {epoch}: skipped {skipped} batch(es) with a non-finite loss (skip_nonfinite_loss)')
+    progress.num_updates = result.num_updates
+    if result.nonfinite_skipped:
+        run.log.info(f'warning: epoch {epoch}: skipped {result.nonfinite_skipped} batch(es) with a non-finite loss '
+                     f'(skip_nonfinite_loss)')
     epoch_batches = run.skipper.skip // cfg.batch_size + len(run.train_loader)
-    run.batches_done += record.pop('batches')
-    if not (record['stopped'] and run.batches_done < epoch_batches):
-        run.batches_done = 0  # the epoch is complete
-    return record
+    progress.batches_done += result.batches
+    if not (result.stopped and progress.batches_done < epoch_batches):
+        progress.batches_done = 0  # the epoch is complete
+    return result
 
 
-def _evaluate_epoch(run: Run, epoch: int, record: Dict[str, Any], log: RunLogger) -> None:
+def _evaluate_epoch(run: Run, epoch: int, record: Dict[str, Any]) -> None:
     """Evaluation (model and EMA) when due, unreadable-image counts, best top-1."""
-    cfg, dist_info, step = run.cfg, run.dist_info, run.step
+    cfg, dist_info, step, progress = run.cfg, run.dist_info, run.step, run.progress
     if epoch + 1 == cfg.epochs or (epoch + 1) % max(cfg.eval_every, 1) == 0:
-        run.metrics = evaluate(run.model, run.val_loader, dist_info, run.val_samples, step.autocast)
-        record.update(top1=run.metrics['top1'], top5=run.metrics['top5'], val_loss=run.metrics['loss'],
-                      val_samples=run.metrics['num_samples'])
+        progress.metrics = metrics = evaluate(run.model, run.val_loader, dist_info, run.val_samples, step.autocast)
+        record.update(top1=metrics['top1'], top5=metrics['top5'], val_loss=metrics['loss'],
+                      val_samples=metrics['num_samples'])
         if run.evaluate_ema:
             ema = evaluate(step.model_ema.module, run.val_loader, dist_info, run.val_samples, step.autocast)
             record.update(ema_top1=ema['top1'], ema_top5=ema['top5'], ema_val_loss=ema['loss'])
     if cfg.skip_bad_images:
-        _count_bad_images(run, record, log)
-    if 'top1' in record and record['top1'] > run.best_top1:
-        run.best_top1, run.best_epoch = record['top1'], epoch
+        _count_bad_images(run, record)
+    if 'top1' in record and record['top1'] > progress.best_top1:
+        progress.best_top1, progress.best_epoch = record['top1'], epoch
 
 
-def _count_bad_images(run: Run, record: Dict[str, Any], log: RunLogger) -> None:
+def _count_bad_images(run: Run, record: Dict[str, Any]) -> None:
     """skip_bad_images: the unreadable images skipped so far over all ranks, warned about when there are new ones."""
-    sets = (run.train_loader.dataset, run.val_loader.dataset)
+    sets, progress = (run.train_loader.dataset, run.val_loader.dataset), run.progress
     counts = all_reduce_sum(torch.tensor([float(getattr(s, 'skipped', lambda: 0)()) for s in sets],
                                          dtype=torch.float64, device=run.dist_info.device)).tolist()
-    if sum(counts) > run.bad_images:
-        log.info(f'warning: skipped {int(counts[0])} unreadable train and {int(counts[1])} val image(s) so far '
-                 f'(skip_bad_images)')
-    run.bad_images = int(sum(counts))
-    if run.bad_images:
-        record['bad_images_skipped'] = run.bad_images
+    if sum(counts) > progress.bad_images:
+        run.log.info(f'warning: skipped {int(counts[0])} unreadable train and {int(counts[1])} val image(s) so far '
+                     f'(skip_bad_images)')
+    progress.bad_images = int(sum(counts))
+    if progress.bad_images:
+        record['bad_images_skipped'] = progress.bad_images
 
 
 def _check_weights(run: Run, when: str) -> None:
@@ -279,6 +294,12 @@ def _check_weights(run: Run, when: str) -> None:
                                  f'{_last_good(run.cfg.output, run.dist_info)}')
 
 
+def _checkpoint(run: Run, epoch: int, rng_all: list, record: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's training checkpoint now; ``epoch``: the last finished one."""
+    about = run_record(run.cfg, run.dist_info.world_size, run.model_kwargs, run.data_cfg)
+    return checkpoint_state(run.unwrapped, run.step, run.progress, epoch, rng_all, record, about)
+
+
 def _save_epoch(run: Run, epoch: int, record: Dict[str, Any]) -> None:
     """last.pth is the commit point: written first; best/epoch files and the log record are re-derived from it
     by repair_run_dir when a kill falls between these writes."""
@@ -286,41 +307,40 @@ def _save_epoch(run: Run, epoch: int, record: Dict[str, Any]) -> None:
     _check_weights(run, f'after epoch {epoch}')
     rng_all = gather_rng(rng_state())
     if run.dist_info.is_main:
-        state = checkpoint_state(run, epoch, rng_all, record)
+        state = _checkpoint(run, epoch, rng_all, record)
         save_checkpoint(state, os.path.join(cfg.output, 'last.pth'))
-        if run.best_epoch == epoch:
+        if run.progress.best_epoch == epoch:
             save_checkpoint(state, os.path.join(cfg.output, 'best.pth'))
         if cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(state, os.path.join(cfg.output, f'epoch_{epoch:04d}.pth'))
 
 
-def _stop_inside_epoch(run: Run, epoch: int, epoch_rng: Dict[str, Any], record: Dict[str, Any],
-                       log: RunLogger) -> Dict[str, Any]:
+def _stop_inside_epoch(run: Run, epoch: int, record: Dict[str, Any]) -> Dict[str, Any]:
     """Checkpoint a stop inside ``epoch`` (its start RNG states and those at the stop) and leave."""
-    cfg, stop_request = run.cfg, run.step.stop_request
+    cfg, stop_request, progress = run.cfg, run.step.stop_request, run.progress
     _check_weights(run, f'at the stop inside epoch {epoch}')
-    rng_at_start, rng_at_stop = gather_rng(epoch_rng), gather_rng(rng_state())
+    rng_at_start, rng_at_stop = gather_rng(progress.epoch_rng), gather_rng(rng_state())
     if run.dist_info.is_main:
-        state = checkpoint_state(run, epoch - 1, rng_at_start, record, run.batches_done)
+        state = _checkpoint(run, epoch - 1, rng_at_start, record)
         save_checkpoint({**state, 'rng_at_stop': rng_at_stop, 'sample_order': SAMPLE_ORDER},
                         os.path.join(cfg.output, 'last.pth'))
     barrier()
     stop_request.acknowledge()
-    log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} after batch '
-             f'{run.batches_done} (step {run.num_updates}); continue with --resume')
-    log.finish()
-    return {'stopped_at_epoch': epoch, 'batches_done': run.batches_done, 'step': run.num_updates,
+    run.log.info(f'stop requested ({stop_request.decided}): saved {cfg.output}/last.pth inside epoch {epoch} after '
+                 f'batch {progress.batches_done} (step {progress.num_updates}); continue with --resume')
+    run.log.finish()
+    return {'stopped_at_epoch': epoch, 'batches_done': progress.batches_done, 'step': progress.num_updates,
             'output': cfg.output}
 
 
-def _finish(run: Run, key_dim, log: RunLogger) -> Dict[str, Any]:
+def _finish(run: Run) -> Dict[str, Any]:
     """Export the final weights (and EMA) as safetensors and print the summary."""
     _check_weights(run, 'at the end of training')
-    cfg, model, ema, dist_info = run.cfg, run.unwrapped, run.step.model_ema, run.dist_info
-    summary = {'model': cfg.model, 'key_dim': key_dim, 'params': sum(p.numel() for p in model.parameters()),
-               'top1': run.metrics.get('top1'), 'top5': run.metrics.get('top5'), 'best_top1': run.best_top1,
-               'best_epoch': run.best_epoch, 'output': cfg.output, 'rank': dist_info.rank,
-               'weights_sha256': state_dict_sha256(model.state_dict())}
+    cfg, model, ema, dist_info, progress = run.cfg, run.unwrapped, run.step.model_ema, run.dist_info, run.progress
+    summary = {'model': cfg.model, 'key_dim': _key_dim(run), 'params': sum(p.numel() for p in model.parameters()),
+               'top1': progress.metrics.get('top1'), 'top5': progress.metrics.get('top5'),
+               'best_top1': progress.best_top1, 'best_epoch': progress.best_epoch, 'output': cfg.output,
+               'rank': dist_info.rank, 'weights_sha256': state_dict_sha256(model.state_dict())}
     if ema is not None:
         summary['ema_sha256'] = state_dict_sha256(ema.module.state_dict())
     if dist_info.is_main:
@@ -330,8 +350,8 @@ def _finish(run: Run, key_dim, log: RunLogger) -> Dict[str, Any]:
         if ema is not None:
             export_safetensors(ema.module.state_dict(), os.path.join(cfg.output, 'model_ema.safetensors'),
                                cfg.model, run.model_kwargs, extra)
-        log.info(format_summary(summary))
-    log.finish(summary)
+        run.log.info(format_summary(summary))
+    run.log.finish(summary)
     return summary
 
 
@@ -363,70 +383,3 @@ def main(argv: Optional[list] = None) -> int:
               file=sys.stderr)
         return 130
     return 0
-
-
-def _wandb_online() -> bool:
-    """True when an API key is set and the wandb server answers within two seconds."""
-    if not os.environ.get('WANDB_API_KEY'):
-        return False
-    try:
-        socket.create_connection(('api.wandb.ai', 443), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
-class RunLogger:
-    """Writes epoch records to ``<output>/log.jsonl`` and stdout (and wandb when enabled); silent off rank 0."""
-
-    def __init__(self, output: str, enabled: bool, config: Dict[str, Any], use_wandb: bool = False,
-                 project: str = 'collab-vit', name: str = '', resume: bool = False) -> None:
-        self.enabled = enabled
-        self.path = os.path.join(output, 'log.jsonl')
-        self.wandb = None
-        if enabled and use_wandb:
-            self.wandb = self._init_wandb(output, config, project, name or os.path.basename(output), resume)
-
-    @staticmethod
-    def _init_wandb(output: str, config: Dict[str, Any], project: str, name: str, resume: bool):
-        mode = os.environ.get('WANDB_MODE') or ('online' if _wandb_online() else 'offline')
-        try:
-            import wandb
-            return wandb.init(project=project, name=name, config=config, dir=output, mode=mode,
-                              resume='allow' if resume else None, settings=wandb.Settings(init_timeout=30))
-        except Exception as e:  # never let logging take a run down
-            print(f'warning: wandb disabled ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""})',
-                  file=sys.stderr)
-            return None
-
-    def info(self, msg: str) -> None:
-        if self.enabled:
-            print(msg, flush=True)
-
-    def log_epoch(self, record: Dict[str, Any]) -> None:
-        """Append one epoch record and print its summary line."""
-        if not self.enabled:
-            return
-        append_line(self.path, json.dumps(record))
-        parts = [f"epoch {record['epoch']:>3d}", f"loss {record['train_loss']:.4f}", f"lr {record['lr']:.2e}",
-                 f"{record['img_per_s']:.0f} img/s"]
-        if 'top1' in record:
-            parts += [f"top-1 {record['top1']:.2f}", f"top-5 {record['top5']:.2f}"]
-        if 'ema_top1' in record:
-            parts.append(f"ema top-1 {record['ema_top1']:.2f}")
-        parts.append(f"{record['epoch_time']:.1f}s")
-        print(' | '.join(parts), flush=True)
-        if self.wandb is not None:
-            try:
-                self.wandb.log(record, step=record['epoch'])
-            except Exception:
-                pass
-
-    def finish(self, summary: Optional[Dict[str, Any]] = None) -> None:
-        if self.wandb is not None:
-            try:
-                if summary:
-                    self.wandb.summary.update(summary)
-                self.wandb.finish()
-            except Exception:
-                pass
