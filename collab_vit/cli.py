@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import timm
 import torch
 
+from .checks import positive_int
 from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
@@ -91,7 +92,8 @@ def _demo(args: argparse.Namespace) -> None:
 def calibration_loader(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
                        data_config: Optional[dict[str, Any]] = None, seed: int = 0,
                        batch_size: int = 64) -> torch.utils.data.DataLoader:
-    """``images`` images drawn at random (seeded) from a split, in the model's evaluation transform.
+    """``images`` (a positive int: the flag's value, checked as it is read) images drawn at random (seeded) from a
+    split, in the model's evaluation transform.
 
     The split is read as ``eval.py`` reads it (``training.data.build_dataset``: ``dataset`` '' = ImageFolder,
     ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
@@ -101,8 +103,6 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
 
     from .training.data import build_dataset
 
-    if isinstance(images, bool) or not isinstance(images, int) or images <= 0:
-        raise ValueError(f"--calibration-images must be a positive int, got {images!r}")
     cfg = resolve_data_config(dict(data_config or {}), model=model)
     data = build_dataset(dataset, data_dir, split, is_training=False)
     # an unreadable image stops the conversion, named: skipping it would change the seeded draw the file records
@@ -133,10 +133,9 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
         if args.calibration_dataset:
             raise ValueError("--calibration-dataset needs --calibration-data-dir")
         return None
-    if args.calibration_images <= 0:
-        raise ValueError(f"--calibration-images must be positive, got {args.calibration_images}")
+    images = positive_int(args.calibration_images, "--calibration-images")  # before any model is read
     return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
-                                                  "train", args.calibration_images, model,
+                                                  "train", images, model,
                                                   meta.get("data_config"), args.seed)
 
 

@@ -41,8 +41,8 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrai
 
 from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 from .conversion.record import CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
-from .layers.attention import (CollaborativeAttention, ConcatAttention, attention_class, check_key_dim,
-                               per_block_attention_class)
+from .checks import positive_int
+from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class, per_block_attention_class
 from .layers.weight_decay import CollabVisionTransformer
 from .weights_io import EVAL_KEYS, safetensors_metadata
 
@@ -165,10 +165,11 @@ def _create(
     options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
     if isinstance(key_dim, (list, tuple)):
-        attn_layer = per_block_attention_class(attn_base, tuple(check_key_dim(k) for k in key_dim), mixing_init)
+        dims = tuple(positive_int(k, "key_dim") for k in key_dim)
+        attn_layer = per_block_attention_class(attn_base, dims, mixing_init)
     else:
-        full = kwargs.get("embed_dim", 768)
-        attn_layer = attention_class(attn_base, full if key_dim is None else check_key_dim(key_dim), mixing_init)
+        dim = kwargs.get("embed_dim", 768) if key_dim is None else positive_int(key_dim, "key_dim")
+        attn_layer = attention_class(attn_base, dim, mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
     with conversion(method, **options):
         model = build_model_with_cfg(

@@ -23,6 +23,7 @@ from timm.layers import Attention
 from torch import Tensor
 from tqdm import tqdm
 
+from ..checks import is_integer
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
 from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitened_spectrum, whitening
 from .decompose import energy_spectrum, relative_error
@@ -62,8 +63,8 @@ def split(n: int, holdout: Optional[int]) -> int:
     """Fitting images out of ``n`` (the rest is held out): an eighth held out by default, 1 to 32."""
     if holdout is None:
         holdout = min(max(1, n // 8), 32) if n >= 2 else 0
-    if isinstance(holdout, bool) or not isinstance(holdout, int) or not 0 <= holdout < n:
-        raise ValueError(f"holdout must be an int in [0, {n}) for {n} calibration images, got {holdout!r}")
+    if not is_integer(holdout) or not 0 <= holdout < n:
+        raise ValueError(f"holdout must be an integer in [0, {n}) for {n} calibration images, got {holdout!r}")
     return n - holdout
 
 

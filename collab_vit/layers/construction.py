@@ -7,12 +7,13 @@ and mixing ``M`` (a decomposition's, or the concatenate ones) and copies everyth
 from __future__ import annotations
 
 import copy
-import numbers
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from timm.layers import Attention
+
+from ..checks import positive_int
 
 
 def split_qkv_heads(qkv_weight: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
@@ -29,8 +30,7 @@ def split_qkv_heads(qkv_weight: Tensor, num_heads: int) -> tuple[Tensor, Tensor]
     """
     if not isinstance(qkv_weight, Tensor) or qkv_weight.dim() != 2:
         raise ValueError(f"qkv_weight must be a 2-D tensor of shape (3D, D), got {getattr(qkv_weight, 'shape', None)}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = positive_int(num_heads, "num_heads")
     three_d, d = qkv_weight.shape
     if three_d != 3 * d:
         raise ValueError(f"qkv_weight must have shape (3D, D), got {tuple(qkv_weight.shape)}")

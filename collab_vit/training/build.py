@@ -31,6 +31,7 @@ from timm.utils import ModelEmaV3, NativeScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
+from ..checks import positive_real
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
@@ -331,8 +332,7 @@ def build_optimizer(model: torch.nn.Module, opt: str, lr: float, weight_decay: f
                     layer_decay: float | None, mixing_lr_scale: float = 1.0, **opt_kwargs) -> torch.optim.Optimizer:
     """``create_optimizer_v2`` on the model (timm's own groups) or, with ``mixing_lr_scale != 1``, on
     ``mixing_param_groups``."""
-    if mixing_lr_scale <= 0:
-        raise ValueError(f'mixing_lr_scale must be positive, got {mixing_lr_scale}')
+    positive_real(mixing_lr_scale, 'mixing_lr_scale')
     if mixing_lr_scale == 1.0:
         return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                    layer_decay=layer_decay, **opt_kwargs)

@@ -1,0 +1,53 @@
+"""One home for each small concept: the argument checks (``collab_vit/checks.py``)."""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import collab_vit
+from collab_vit import checks
+from collab_vit.conversion import decompose, refine, spectrum
+from collab_vit.layers.attention import CollaborativeAttention
+
+PACKAGE = Path(__file__).parents[1] / 'collab_vit'
+
+
+@pytest.mark.parametrize('check, good, bad, what', [
+    (checks.positive_int, [1, 7, np.int64(3)], [0, -2, 1.0, True, '3', None], 'a positive integer'),
+    (checks.nonnegative_int, [0, 5, np.int32(2)], [-1, 0.0, False, '0'], 'a non-negative integer'),
+    (checks.fraction, [1, 0.5, 1e-9, np.float32(0.25)], [0, 0.0, 1.5, float('nan'), True, '0.5'], 'in (0, 1]'),
+    (checks.positive_real, [2, 0.1, 1e30], [0, -1.0, float('inf'), float('nan'), True, '1'],
+     'a positive finite number'),
+])
+def test_one_style_one_integer_type(check, good, bad, what):
+    """Integers are numbers.Integral (numpy's too) and never bool; reals are finite; one message style."""
+    for value in good:
+        assert check(value, 'x') == value and type(check(value, 'x')) in (int, float)
+    for value in bad:
+        with pytest.raises(ValueError) as error:
+            check(value, 'x')
+        assert str(error.value) == f'x must be {what}, got {value!r}'
+
+
+def test_the_checks_have_one_home():
+    """No module of the package but checks.py tests an argument's number type itself."""
+    inline = re.compile(r'numbers\.(Integral|Real)|isinstance\(\w+, bool\) or not isinstance')
+    found = [f'{p.relative_to(PACKAGE)}:{i}' for p in PACKAGE.rglob('*.py') if p.name != 'checks.py'
+             for i, line in enumerate(p.read_text().splitlines(), 1) if inline.search(line)]
+    assert not found, found
+
+
+def test_the_sites_use_them():
+    """A few sites, each with the shared message (numpy integers are integers everywhere)."""
+    with pytest.raises(ValueError, match=r'^key_dim must be a positive integer, got 0$'):
+        CollaborativeAttention(24, 3, key_dim=0)
+    assert CollaborativeAttention(24, 3, key_dim=np.int64(12)).key_dim == 12
+    with pytest.raises(ValueError, match=r"^threshold must be in \(0, 1\], got 1.5$"):
+        spectrum.suggest_key_dim([], 1.5)
+    with pytest.raises(ValueError, match=r'^max_iter must be a non-negative integer, got -1$'):
+        decompose.cp_decompose(torch.ones(2, 4, 2), torch.ones(2, 4, 2), 2, max_iter=-1)
+    with pytest.raises(ValueError, match=r'^refine_lr must be a positive finite number, got True$'):
+        refine._refine([], None, None, 1, 1, True, 1, 0, False, '')
+
