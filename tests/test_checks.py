@@ -1,14 +1,18 @@
-"""One home for each small concept: the argument checks (``collab_vit/checks.py``)."""
+"""One home for each small concept: the argument checks (``collab_vit/checks.py``) and the one answer to "can this
+layer convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
+conversion give alike."""
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from timm.layers import Attention
 
 import collab_vit
 from collab_vit import checks
 from collab_vit.conversion import decompose, refine, spectrum
+from collab_vit.conversion.support import check_model
 from collab_vit.layers.attention import CollaborativeAttention
 
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
@@ -51,3 +55,27 @@ def test_the_sites_use_them():
     with pytest.raises(ValueError, match=r'^refine_lr must be a positive finite number, got True$'):
         refine._refine([], None, None, 1, 1, True, 1, 0, False, '')
 
+
+def _attention(**kwargs) -> Attention:
+    return Attention(32, 4, qkv_bias=True, norm_layer=torch.nn.LayerNorm, **kwargs)
+
+
+@pytest.mark.parametrize('kwargs, why', [
+    (dict(qk_norm=True), "qk_norm normalises each head's queries and keys token by token"),
+    (dict(gated=True), 'a gated output (sigmoid gate on the heads)'),
+    (dict(attn_head_dim=4), 'heads x head dim (16) or output dim (32) differs from dim (32): not covered'),
+    (dict(dim_out=16), 'heads x head dim (32) or output dim (16) differs from dim (32): not covered'),
+])
+def test_one_answer_to_can_this_convert(kwargs, why):
+    """The layer, the one-layer conversion and the model's support check refuse a layer with one reason, spelled
+    once."""
+    attn = _attention(**kwargs)
+    with pytest.raises(ValueError) as from_layer:
+        CollaborativeAttention.from_attention(attn)
+    with pytest.raises(ValueError) as converted:
+        collab_vit.reparametrize_attention(attn, 8)
+    with pytest.raises(ValueError) as supported:
+        check_model(torch.nn.Sequential(attn))
+    assert str(from_layer.value) == str(converted.value)
+    assert str(from_layer.value).startswith(f'cannot convert this Attention: {why}'), from_layer.value
+    assert f'cannot convert 0 (Attention): {why}' in str(supported.value), supported.value

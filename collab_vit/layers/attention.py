@@ -19,7 +19,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import register_notrace_function
 
 from ..checks import positive_int
-from .construction import concatenate_factors, from_factors, split_qkv_heads
+from .construction import concatenate_factors, conversion_reason, from_factors, not_convertible, split_qkv_heads
 from .attention_core import (CollaborativeCore, collaborative_logits, equal_head_dims, explicit_attend,
                              explicit_collaborative)
 from .dispatch import Path, select_path
@@ -296,13 +296,10 @@ class CollaborativeAttention(HeadOutput):
         """
         if not isinstance(attn, Attention):
             raise TypeError(f"from_attention expects a timm Attention, got {type(attn).__name__}")
+        why = conversion_reason(attn)
+        if why is not None:
+            raise not_convertible(attn, why)
         dim = attn.qkv.in_features
-        if attn.attn_dim != dim or attn.proj.out_features != dim:
-            raise ValueError(f"from_attention needs attn_dim == dim_out == dim ({dim}), got attn_dim={attn.attn_dim}")
-        if getattr(attn, "gate", None) is not None:
-            raise ValueError("from_attention does not support gated timm Attention")
-        if not isinstance(attn.q_norm, nn.Identity):
-            raise ValueError("from_attention cannot convert exactly a layer with qk_norm (per-head normalisation)")
         key_dim = dim if key_dim is None else positive_int(key_dim, "key_dim")
         if key_dim < dim:
             raise ValueError(f"exact conversion needs key_dim >= dim ({dim}), got {key_dim}; "
