@@ -69,7 +69,7 @@ def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
         raise not_convertible(attn, why)
     wq, wk = head_factors(attn)
     began = time.perf_counter()
-    if key_dim >= attn.num_heads * attn.head_dim:
+    if key_dim >= attn.attn_dim:
         return LayerFit(layer_from_decomposition(attn, exact_decomposition(wq, wk, key_dim)), key_dim, 0.0,
                         None if sides is None else 0.0, time.perf_counter() - began)
     whitened = None

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention
 
-from ..layers.construction import conversion_reason
+from ..layers.construction import conversion_reason, replace_submodule
 from ..layers.forms import (CollaborativeEvaFormAttention, CollaborativeRelPosAttention, EvaFormAttention,
                             RelPosAttention)
 
@@ -88,8 +88,7 @@ def prepare(model: nn.Module) -> int:
     found = [(name, form) for name, module in model.named_modules()
              if (form := rewrite(module, model)) is not None]
     for name, form in found:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, form)
+        replace_submodule(model, name, form)
     return len(found)
 
 

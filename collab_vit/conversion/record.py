@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..layers.attention import CollaborativeAttention
+from ..layers.construction import replace_submodule
 from ..layers.forms import RelPosBias
 from ..layers.weight_decay import exclude_mixing_from_decay
 from .forms import COLLABORATIVE_FORM
@@ -78,8 +79,7 @@ def swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> nn.Modul
         if entry.get("layer") != cls.__name__:
             raise ValueError(f"the record makes {name} a {entry.get('layer')}, the source's layer becomes a "
                              f"{cls.__name__}")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, _collaborative_like(forms[name], cls, entry["key_dim"]))
+        replace_submodule(model, name, _collaborative_like(forms[name], cls, entry["key_dim"]))
     return exclude_mixing_from_decay(model)
 
 

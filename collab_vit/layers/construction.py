@@ -4,7 +4,8 @@
 ``from_attention``, the conversion's support check and its rewritten forms all ask it); ``split_qkv_heads`` reads
 the per-head query/key factors of the fused ``qkv`` weight; ``concatenate_factors`` is the concatenate construction
 (exact at full rank); ``from_factors`` builds the layer from any shared factors ``W~q, W~k`` and mixing ``M`` (a
-decomposition's, or the concatenate ones) and copies everything else.
+decomposition's, or the concatenate ones) and copies everything else; ``replace_submodule`` puts the layer in its
+model's place.
 """
 from __future__ import annotations
 
@@ -114,3 +115,9 @@ def from_factors(cls: type, attn: Attention, query: Tensor, key: Tensor, mixing:
     layer.norm = copy.deepcopy(attn.norm)  # scale_norm, with its exact eps and weights
     layer.fused_attn = attn.fused_attn
     return layer.train(attn.training)
+
+
+def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` in ``model`` at the dotted submodule name ``name`` (e.g. ``"blocks.3.attn"``), in place."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)

@@ -1,6 +1,6 @@
-"""One home for each small concept: the argument checks (``collab_vit/checks.py``) and the one answer to "can this
-layer convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
-conversion give alike."""
+"""One home for each small concept: the argument checks (``collab_vit/checks.py``), the one answer to "can this layer
+convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
+conversion give alike, and the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``)."""
 import re
 from pathlib import Path
 
@@ -35,12 +35,21 @@ def test_one_style_one_integer_type(check, good, bad, what):
         assert str(error.value) == f'x must be {what}, got {value!r}'
 
 
-def test_the_checks_have_one_home():
-    """No module of the package but checks.py tests an argument's number type itself."""
-    inline = re.compile(r'numbers\.(Integral|Real)|isinstance\(\w+, bool\) or not isinstance')
-    found = [f'{p.relative_to(PACKAGE)}:{i}' for p in PACKAGE.rglob('*.py') if p.name != 'checks.py'
-             for i, line in enumerate(p.read_text().splitlines(), 1) if inline.search(line)]
-    assert not found, found
+def written_outside(pattern: str, home: str) -> list:
+    """Lines of the package, outside the module ``home``, that match ``pattern``."""
+    found = re.compile(pattern)
+    return [f'{p.relative_to(PACKAGE)}:{i}' for p in PACKAGE.rglob('*.py') if p.relative_to(PACKAGE).as_posix() != home
+            for i, line in enumerate(p.read_text().splitlines(), 1) if found.search(line)]
+
+
+@pytest.mark.parametrize('pattern, home', [
+    (r'numbers\.(Integral|Real)|isinstance\(\w+, bool\) or not isinstance', 'checks.py'),  # argument checks
+    (r'rpartition\("\."\)', 'layers/construction.py'),  # replace_submodule
+    (r'num_heads \* \w+\.head_dim', ''),  # timm's attn_dim
+])
+def test_written_once(pattern, home):
+    """Each of these is written in its home module only."""
+    assert not written_outside(pattern, home)
 
 
 def test_the_sites_use_them():
