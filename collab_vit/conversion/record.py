@@ -22,6 +22,7 @@ from ..layers.attention import CollaborativeAttention
 from ..layers.construction import replace_submodule
 from ..layers.forms import RelPosBias
 from ..layers.weight_decay import exclude_mixing_from_decay
+from ..weights_io import one_line
 from .forms import COLLABORATIVE_FORM
 from .support import attention_forms
 
@@ -90,7 +91,7 @@ def rebuild_problem(model: nn.Module, name: str, args: dict[str, Any]) -> Option
     try:
         rebuilt = timm.create_model(name, **args).eval()
     except (TypeError, ValueError, KeyError, AssertionError, RuntimeError) as e:
-        return f"{name} does not take the recorded arguments ({str(e).strip().splitlines()[0]})"
+        return f"{name} does not take the recorded arguments ({one_line(e)})"
     own, recorded = source.state_dict(), rebuilt.state_dict()
     wrong = [k for k in own.keys() | recorded.keys() if k not in own or k not in recorded
              or own[k].shape != recorded[k].shape]

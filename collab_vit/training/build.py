@@ -34,7 +34,7 @@ from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* wi
 from ..checks import positive_real
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
+from ..weights_io import WeightsError, check_fit, model_pipeline, one_line, read_weights
 from .config import ConfigError, DataError, TrainConfig
 from .data import (SkipFirstSampler, build_dataset, build_eval_loader, build_mixup, build_train_loader,
                    check_classes, eval_data_config, eval_shard_size, make_skippable)
@@ -239,7 +239,7 @@ def build_model(name: str, num_classes: int, img_size: Optional[int] = None, dro
             raise
         raise ConfigError(f"model '{name}' does not take the keyword '{unknown.group(1)}' (model_kwargs)") from None
     except ValueError as e:
-        raise ConfigError(f"bad model_kwargs for '{name}': {str(e).strip().splitlines()[0]}") from None
+        raise ConfigError(f"bad model_kwargs for '{name}': {one_line(e)}") from None
 
 
 def source_weights_pipeline(name: str, model: torch.nn.Module) -> Optional[Dict[str, Any]]:
@@ -278,8 +278,7 @@ def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: st
                 state = collab_filter_fn(dict(state), model)
         except (ValueError, RuntimeError, KeyError) as e:
             raise WeightsError(f'cannot convert the standard attention weights in {source} for this model '
-                               f'({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); '
-                               f'convert them first with `collab-vit convert`') from None
+                               f'({one_line(e)}); convert them first with `collab-vit convert`') from None
     own = model.state_dict()
     if allow_new_head:
         for key in list(state):
