@@ -18,7 +18,7 @@ from .checks import positive_int
 from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
-from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
+from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
 from .weights_io import WriteError, one_line
 
 
@@ -34,13 +34,12 @@ def model_row(name: str) -> ModelRow:
     """Count parameters on the meta device (no memory, no init cost)."""
     model = timm.create_model(name, device="meta")
     layers = [block.attn for block in model.blocks]
-    key_dim = getattr(layers[0], "key_dim", getattr(layers[0], "attn_dim", 0))
-    return ModelRow(name, key_dim, sum(p.numel() for p in model.parameters()), sum(map(query_key_params, layers)))
+    return ModelRow(name, layer_key_dim(layers[0]), sum(p.numel() for p in model.parameters()), sum(map(query_key_params, layers)))
 
 
 def model_table() -> list[ModelRow]:
     """timm's DeiT baselines, then every registered collaborative and concatenate model."""
-    names = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS] + COLLAB_MODELS + CONCAT_MODELS
+    names = DEIT_MODELS + COLLAB_MODELS + CONCAT_MODELS
     return [model_row(name) for name in names]
 
 

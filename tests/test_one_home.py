@@ -1,7 +1,7 @@
 """One home for each small concept: the argument checks (``collab_vit/checks.py``), the one answer to "can this layer
 convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
 conversion give alike, and the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``,
-``weights_io.one_line``)."""
+``weights_io.one_line``, the model-name scheme and a layer's key dim in ``models.py``)."""
 import re
 from pathlib import Path
 
@@ -48,6 +48,8 @@ def written_outside(pattern: str, home: str) -> list:
     (r'rpartition\("\."\)', 'layers/construction.py'),  # replace_submodule
     (r'num_heads \* \w+\.head_dim', ''),  # timm's attn_dim
     (r'str\(\w+\)(\.strip\(\))?\.splitlines\(\)\[0\]', 'weights_io.py'),  # an error's line: one_line
+    (r'''f["'][^"']*(deit_\{|_k\{)|_k\(\\d|split\("_"\)\[2\]''', 'models.py'),  # the model-name scheme
+    (r'''getattr\([^)]*["']key_dim["'], (getattr|0)''', 'models.py'),  # a layer's key dim: layer_key_dim
 ])
 def test_written_once(pattern, home):
     """Each of these is written in its home module only."""
@@ -90,3 +92,19 @@ def test_one_answer_to_can_this_convert(kwargs, why):
     assert str(from_layer.value) == str(converted.value)
     assert str(from_layer.value).startswith(f'cannot convert this Attention: {why}'), from_layer.value
     assert f'cannot convert 0 (Attention): {why}' in str(supported.value), supported.value
+
+
+def test_model_names_are_built_and_parsed_in_one_place():
+    """Every DeiT-family name parses into its parts and is rebuilt from them; other names are outside the scheme."""
+    from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, ModelName
+    for name in DEIT_MODELS + COLLAB_MODELS + CONCAT_MODELS:
+        parts = ModelName.parse(name)
+        assert str(parts) == name and parts.family == ('' if name.startswith('deit') else name.split('_')[0])
+    assert ModelName.parse('collab_deit_base_patch16_224_k192') == ModelName('base', 'collab', 192)
+    assert ModelName.parse('vit_base_patch16_224') is None and ModelName.parse('deit_huge_patch16_224') is None
+
+
+def test_one_helper_for_a_layers_key_dim():
+    from collab_vit.models import layer_key_dim
+    assert layer_key_dim(CollaborativeAttention(24, 3, key_dim=12)) == 12
+    assert layer_key_dim(Attention(24, 3)) == 24 and layer_key_dim(torch.nn.Linear(2, 2)) == 0

@@ -6,12 +6,12 @@ became and its key dim. ``collab_vit_converted`` (``models.py``) creates the sou
 architecture without its weights, swaps those layers for collaborative ones (:func:`swap_layers`) and loads the
 weights: any model that converts can be rebuilt (BEiT, EVA without rope, distilled DeiT, parallel blocks). A
 converted timm DeiT (``deit_{tiny,small,base}_patch16_224``) is recorded as the registered
-``collab_deit_{size}_patch16_224`` with the source's arguments and one key dim per layer.
+``collab_deit_{size}_patch16_224`` with the source's arguments and one key dim per layer (the names:
+:data:`COLLABORATIVE_NAMES`, which ``models.py`` fills as it registers them).
 """
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any, Optional
 
 import timm
@@ -26,15 +26,9 @@ from ..weights_io import one_line
 from .forms import COLLABORATIVE_FORM
 from .support import attention_forms
 
-DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
+COLLABORATIVE_NAMES: dict[str, str] = {}  # timm source name -> the registered model its conversion is recorded as
 CONVERTED_MODEL = "collab_vit_converted"
 SOURCE, LAYERS = "source_model", "collaborative_layers"  # the two keywords collab_vit_converted adds to the source's
-
-
-def collaborative_name(source: str) -> Optional[str]:
-    """``collab_deit_{size}_patch16_224`` for timm's ``deit_{size}_patch16_224``, else None."""
-    match = DEIT_NAME.match(source)
-    return f"collab_deit_{match.group(1)}_patch16_224" if match else None
 
 
 def layer_record(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -47,7 +41,7 @@ def converted_record(model: nn.Module, source: str, args: dict[str, Any]) -> tup
     """The registered entry point and keyword arguments that rebuild ``model``, converted from timm's ``source``
     created with ``args`` (see the module docstring)."""
     layers = layer_record(model)
-    deit = collaborative_name(source)
+    deit = COLLABORATIVE_NAMES.get(source)
     if deit and all(entry["layer"] == CollaborativeAttention.__name__ for entry in layers.values()):
         return deit, {**args, "key_dim": [entry["key_dim"] for entry in layers.values()]}
     return CONVERTED_MODEL, {**args, SOURCE: source, LAYERS: layers}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from timm.utils import random_seed
 
+from ..models import ModelName, layer_key_dim
 from ..weights_io import WeightsError, WriteError, append_line, export_safetensors, one_line, torch_load
 from .build import Run, assemble, scaled_lr
 from .checkpoint import (SAMPLE_ORDER, StopRequest, check_geometry, check_run_dir, check_same_run, checkpoint_state,
@@ -32,15 +32,14 @@ from .engine import NonFiniteLossError, evaluate, train_one_epoch
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> Union[int, List[int]]:
     """The attention key/query dim of a ViT: one int, or one per block when they differ (a converted model)."""
-    dims = [int(getattr(block.attn, 'key_dim', 0) or getattr(block.attn, 'attn_dim', 0))
-            for block in getattr(model, 'blocks', [])]
+    dims = [layer_key_dim(block.attn) for block in getattr(model, 'blocks', [])]
     if dims and all(dims):
         return dims[0] if len(set(dims)) == 1 else dims
     key_dim = model_kwargs.get('key_dim')
     if key_dim is not None:
         return key_dim
-    match = re.search(r'_k(\d+)$', name)
-    return int(match.group(1)) if match else int(getattr(model, 'embed_dim', 0))
+    parts = ModelName.parse(name)
+    return parts.key_dim if parts and parts.key_dim else int(getattr(model, 'embed_dim', 0))
 
 
 def state_dict_sha256(state_dict: Dict[str, torch.Tensor]) -> str:
