@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +13,12 @@ import timm
 import torch
 
 from .checks import positive_int
+from .console import run_command
 from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
-from .weights_io import WriteError, one_line
+from .weights_io import WriteError
 
 
 @dataclass
@@ -34,7 +33,8 @@ def model_row(name: str) -> ModelRow:
     """Count parameters on the meta device (no memory, no init cost)."""
     model = timm.create_model(name, device="meta")
     layers = [block.attn for block in model.blocks]
-    return ModelRow(name, layer_key_dim(layers[0]), sum(p.numel() for p in model.parameters()), sum(map(query_key_params, layers)))
+    return ModelRow(name, layer_key_dim(layers[0]), sum(p.numel() for p in model.parameters()),
+                    sum(map(query_key_params, layers)))
 
 
 def model_table() -> list[ModelRow]:
@@ -234,35 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt (not an Exception: nothing swallows it)."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console entry. Bad input is one line, exit 2; a failed write (a full disk) one line, exit 1; SIGINT / SIGTERM
-    one line, exit 130 / 143. Every output is written all or none (``weights_io``), so none is left half written."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    name = f"collab-vit {args.command}"
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    try:
-        args.run(args)
-    except WriteError as error:
-        parser.exit(1, f"{name}: error: {error}\n")
-    except (ValueError, OSError, RuntimeError) as error:
-        parser.exit(2, f"{name}: error: {one_line(error)}\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"{name}: interrupted (SIGINT)\n")
-    except Terminated:
-        parser.exit(143, f"{name}: terminated (SIGTERM)\n")
-    finally:
-        if before is not None:
-            signal.signal(signal.SIGTERM, before)
+    """Console entry (``console.run_command``): bad input (any ValueError, OSError or RuntimeError) is one line,
+    exit 2; a failed write (a full disk) one line, exit 1; SIGINT / SIGTERM one line, exit 130 / 143. A failure
+    leaves as ``SystemExit`` (as argparse's own errors do)."""
+    args = build_parser().parse_args(argv)
+    code = run_command(lambda: args.run(args), (ValueError, OSError, RuntimeError), (WriteError,),
+                       name=f"collab-vit {args.command}")
+    if code:
+        sys.exit(code)
     return 0
 
 

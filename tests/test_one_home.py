@@ -2,7 +2,10 @@
 convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
 conversion give alike, and the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``,
 ``weights_io.one_line``, the model-name scheme and a layer's key dim in ``models.py``)."""
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,8 @@ from collab_vit import checks
 from collab_vit.conversion import decompose, refine, spectrum
 from collab_vit.conversion.support import check_model
 from collab_vit.layers.attention import CollaborativeAttention
+from collab_vit.training.config import ConfigError
+from collab_vit.weights_io import WriteError
 
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
 
@@ -108,3 +113,53 @@ def test_one_helper_for_a_layers_key_dim():
     from collab_vit.models import layer_key_dim
     assert layer_key_dim(CollaborativeAttention(24, 3, key_dim=12)) == 12
     assert layer_key_dim(Attention(24, 3)) == 24 and layer_key_dim(torch.nn.Linear(2, 2)) == 0
+
+
+def _entry(command: str, monkeypatch, body) -> int:
+    """The exit code of ``main`` of ``command`` (collab-vit, train.py or eval.py) with its work replaced by ``body``
+    (collab-vit leaves with SystemExit on failure, as argparse does)."""
+    from collab_vit import cli
+    from collab_vit.training import eval_cli, trainer
+    if command == 'collab-vit':
+        monkeypatch.setattr(cli, '_models', lambda args: body())
+        try:
+            return cli.main(['models'])
+        except SystemExit as exit_info:
+            return exit_info.code
+    module = trainer if command == 'train.py' else eval_cli
+    monkeypatch.setattr(module, 'train' if command == 'train.py' else 'run', lambda cfg: body())
+    monkeypatch.setattr(module, 'parse_train_args' if command == 'train.py' else 'parse_args', lambda argv: None)
+    return module.main([])
+
+
+def _raise(error: BaseException):
+    def body():
+        raise error
+    return body
+
+
+def _signal(signum: int):
+    def body():
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler raises first
+    return body
+
+
+@pytest.mark.parametrize('command', ['collab-vit', 'train.py', 'eval.py'])
+@pytest.mark.parametrize('cause, body, code', [
+    ('bad input', _raise(ConfigError('bad flag')), 2),
+    ('failed write', _raise(WriteError('no space left on device', '/tmp/x')), 1),
+    ('SIGINT', _signal(signal.SIGINT), 130),
+    ('SIGTERM', _signal(signal.SIGTERM), 143),
+])
+def test_one_main_wrapper(command, cause, body, code, monkeypatch, capsys):
+    """The three entry points: the same exit code for the same cause, one line on stderr, no traceback, and the
+    SIGTERM handler put back."""
+    handler = signal.getsignal(signal.SIGTERM)
+    got = _entry(command, monkeypatch, body)
+    err = capsys.readouterr().err
+    assert got == code and len(err.splitlines()) == 1 and 'Traceback' not in err, err
+    assert signal.getsignal(signal.SIGTERM) == handler
+    what = {2: 'error: bad flag', 1: 'error: no space left on device writing /tmp/x', 130: 'interrupted (SIGINT)',
+            143: 'terminated (SIGTERM)'}
+    assert what[code] in err, err

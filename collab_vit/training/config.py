@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from ..checks import is_integer, is_number
-from ..weights_io import atomic_write
+from ..weights_io import WeightsError, atomic_write
 
 
 class ConfigError(ValueError):
@@ -29,6 +29,9 @@ class ConfigError(ValueError):
 
 class DataError(RuntimeError):
     """The data directory is missing, empty or unreadable; the message names the path (one line, exit 2)."""
+
+
+BAD_INPUT = (ConfigError, DataError, WeightsError, FileNotFoundError)  # exit 2 of train.py and eval.py (console.py)
 
 
 def setting(default: Any, help: str) -> Any:
