@@ -46,13 +46,13 @@ def run_command(body: Callable[[], Any], bad_input: Errors, failures: Errors, na
     """
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    lead = f"{name}: " if name else "error: "
+    named, lead = (f"{name}: ", f"{name}: ") if name else ("", "error: ")
     try:
         body()
     except failures as error:
-        return _fail(FAILED, f"{name + ': ' if name else ''}error: {one_line(error)}")
+        return _fail(FAILED, f"{named}error: {one_line(error)}")
     except bad_input as error:
-        return _fail(BAD_INPUT, f"{name + ': ' if name else ''}error: {one_line(error)}")
+        return _fail(BAD_INPUT, f"{named}error: {one_line(error)}")
     except KeyboardInterrupt:
         return _fail(INTERRUPTED, f"{lead}interrupted (SIGINT){after_signal}")
     except Terminated:
