@@ -1,9 +1,11 @@
 """collab-vit: collaborative multi-head attention (Cordonnier, Loukas, Jaggi 2020) for timm vision transformers.
 
 ``import collab_vit`` registers the collaborative DeiT models with timm. Layers, bottom to top (each imports only
-those below it): ``layers`` (the attention layers) <- ``weights_io`` (atomic writes, code-free loading) <-
-``conversion`` (decompositions, whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` (timm
-registrations) <- ``hub`` (``save_pretrained``, ``push_to_hf_hub``: timm's hub folder) <- ``training`` (DeiT's recipe) <- ``cli`` / ``train.py`` / ``eval.py``.
+those below it): ``checks`` (argument checks) <- ``layers`` (the attention layers) <- ``weights_io`` (atomic writes,
+code-free loading) <- ``console`` (the commands' one-line errors and exit codes) <- ``conversion`` (decompositions,
+whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` (timm registrations) <- ``hub``
+(``save_pretrained``, ``push_to_hf_hub``: timm's hub folder) <- ``training`` (DeiT's recipe) <- ``cli`` /
+``train.py`` / ``eval.py``.
 """
 from ._version import __version__
 from .conversion import reparam

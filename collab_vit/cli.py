@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +12,13 @@ from typing import Any, Callable, Optional, Sequence
 import timm
 import torch
 
+from .checks import positive_int
+from .console import run_command
 from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
-from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
-from .weights_io import WriteError, one_line
+from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
+from .weights_io import WriteError
 
 
 @dataclass
@@ -33,13 +33,13 @@ def model_row(name: str) -> ModelRow:
     """Count parameters on the meta device (no memory, no init cost)."""
     model = timm.create_model(name, device="meta")
     layers = [block.attn for block in model.blocks]
-    key_dim = getattr(layers[0], "key_dim", getattr(layers[0], "attn_dim", 0))
-    return ModelRow(name, key_dim, sum(p.numel() for p in model.parameters()), sum(map(query_key_params, layers)))
+    return ModelRow(name, layer_key_dim(layers[0]), sum(p.numel() for p in model.parameters()),
+                    sum(map(query_key_params, layers)))
 
 
 def model_table() -> list[ModelRow]:
     """timm's DeiT baselines, then every registered collaborative and concatenate model."""
-    names = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS] + COLLAB_MODELS + CONCAT_MODELS
+    names = DEIT_MODELS + COLLAB_MODELS + CONCAT_MODELS
     return [model_row(name) for name in names]
 
 
@@ -91,7 +91,8 @@ def _demo(args: argparse.Namespace) -> None:
 def calibration_loader(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
                        data_config: Optional[dict[str, Any]] = None, seed: int = 0,
                        batch_size: int = 64) -> torch.utils.data.DataLoader:
-    """``images`` images drawn at random (seeded) from a split, in the model's evaluation transform.
+    """``images`` (a positive int: the flag's value, checked as it is read) images drawn at random (seeded) from a
+    split, in the model's evaluation transform.
 
     The split is read as ``eval.py`` reads it (``training.data.build_dataset``: ``dataset`` '' = ImageFolder,
     ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
@@ -101,8 +102,6 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
 
     from .training.data import build_dataset
 
-    if isinstance(images, bool) or not isinstance(images, int) or images <= 0:
-        raise ValueError(f"--calibration-images must be a positive int, got {images!r}")
     cfg = resolve_data_config(dict(data_config or {}), model=model)
     data = build_dataset(dataset, data_dir, split, is_training=False)
     # an unreadable image stops the conversion, named: skipping it would change the seeded draw the file records
@@ -133,10 +132,9 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
         if args.calibration_dataset:
             raise ValueError("--calibration-dataset needs --calibration-data-dir")
         return None
-    if args.calibration_images <= 0:
-        raise ValueError(f"--calibration-images must be positive, got {args.calibration_images}")
+    images = positive_int(args.calibration_images, "--calibration-images")  # before any model is read
     return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
-                                                  "train", args.calibration_images, model,
+                                                  "train", images, model,
                                                   meta.get("data_config"), args.seed)
 
 
@@ -236,35 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt (not an Exception: nothing swallows it)."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console entry. Bad input is one line, exit 2; a failed write (a full disk) one line, exit 1; SIGINT / SIGTERM
-    one line, exit 130 / 143. Every output is written all or none (``weights_io``), so none is left half written."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    name = f"collab-vit {args.command}"
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    try:
-        args.run(args)
-    except WriteError as error:
-        parser.exit(1, f"{name}: error: {error}\n")
-    except (ValueError, OSError, RuntimeError) as error:
-        parser.exit(2, f"{name}: error: {one_line(error)}\n")
-    except KeyboardInterrupt:
-        parser.exit(130, f"{name}: interrupted (SIGINT)\n")
-    except Terminated:
-        parser.exit(143, f"{name}: terminated (SIGTERM)\n")
-    finally:
-        if before is not None:
-            signal.signal(signal.SIGTERM, before)
+    """Console entry (``console.run_command``): bad input (any ValueError, OSError or RuntimeError) is one line,
+    exit 2; a failed write (a full disk) one line, exit 1; SIGINT / SIGTERM one line, exit 130 / 143. A failure
+    leaves as ``SystemExit`` (as argparse's own errors do)."""
+    args = build_parser().parse_args(argv)
+    code = run_command(lambda: args.run(args), (ValueError, OSError, RuntimeError), (WriteError,),
+                       name=f"collab-vit {args.command}")
+    if code:
+        sys.exit(code)
     return 0
 
 

@@ -31,6 +31,8 @@ follows DeiT's recipe) has DeiT's 0.875 (resize 256, centre crop 224), the paper
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional, Sequence, Type, Union
 
@@ -41,9 +43,9 @@ from timm.layers import Attention, GluMlp, Mlp, SwiGLU, get_norm_layer
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 
 from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
-from .conversion.record import CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
-from .layers.attention import (CollaborativeAttention, ConcatAttention, attention_class, check_key_dim,
-                               per_block_attention_class)
+from .conversion.record import COLLABORATIVE_NAMES, CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
+from .checks import positive_int
+from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class, per_block_attention_class
 from .layers.weight_decay import CollabVisionTransformer
 from .weights_io import EVAL_KEYS, safetensors_metadata
 
@@ -72,24 +74,49 @@ def _cfg(**kwargs: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ModelName:
+    """The name scheme of the DeiT family: ``[{family}_]deit_{size}_patch16_224[_k{key_dim}]``, built and parsed here
+    only. ``family``: ``""`` (timm's DeiT), ``"collab"`` or ``"concat"``; ``key_dim``: fixed by the name, or None."""
+
+    size: str
+    family: str = "collab"
+    key_dim: Optional[int] = None
+
+    PATTERN = re.compile(r"^(?:(collab|concat)_)?deit_(tiny|small|base)_patch16_224(?:_k(\d+))?$")
+
+    def __str__(self) -> str:
+        prefix = f"{self.family}_" if self.family else ""
+        return f"{prefix}deit_{self.size}_patch16_224" + ("" if self.key_dim is None else f"_k{self.key_dim}")
+
+    @classmethod
+    def parse(cls, name: str) -> Optional["ModelName"]:
+        """The parts of ``name``, or None for a name outside the scheme."""
+        match = cls.PATTERN.match(name)
+        if match is None:
+            return None
+        family, size, key_dim = match.groups()
+        return cls(size, family or "", None if key_dim is None else int(key_dim))
+
+
+def model_name(size: str, family: str = "collab", key_dim: Optional[int] = None) -> str:
+    """``collab_deit_{size}_patch16_224`` (``family``, ``_k{key_dim}``: see :class:`ModelName`)."""
+    return str(ModelName(size, family, key_dim))
+
+
 def deit_eval_cfg(size: str) -> dict[str, Any]:
     """The evaluation pipeline of timm's own cfg for its DeiT weights (``deit_{size}_patch16_224.fb_in1k``)."""
-    source = get_pretrained_cfg(f"deit_{size}_patch16_224.fb_in1k").to_dict()
+    source = get_pretrained_cfg(f"{model_name(size, '')}.fb_in1k").to_dict()
     return {key: source[key] for key in EVAL_KEYS}
 
 
-def collab_name(size: str, key_dim: Optional[int] = None) -> str:
-    return f"collab_deit_{size}_patch16_224" + ("" if key_dim is None else f"_k{key_dim}")
-
-
-def concat_name(size: str, key_dim: Optional[int] = None) -> str:
-    return f"concat_deit_{size}_patch16_224" + ("" if key_dim is None else f"_k{key_dim}")
-
-
-COLLAB_MODELS: list[str] = [collab_name(s) for s in DEIT_ARCHS] + [
-    collab_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid]
-CONCAT_MODELS: list[str] = [concat_name(s) for s in DEIT_ARCHS] + [
-    concat_name(s, k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
+DEIT_MODELS: list[str] = [model_name(s, "") for s in DEIT_ARCHS]  # timm's, the baselines
+COLLAB_MODELS: list[str] = [model_name(s) for s in DEIT_ARCHS] + [
+    model_name(s, "collab", k) for s, grid in KEY_DIM_GRID.items() for k in grid]
+CONCAT_MODELS: list[str] = [model_name(s, "concat") for s in DEIT_ARCHS] + [
+    model_name(s, "concat", k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
+# a conversion of timm's DeiT is recorded as the registered collaborative DeiT (conversion/record.py)
+COLLABORATIVE_NAMES.update({model_name(s, ""): model_name(s) for s in DEIT_ARCHS})
 
 DEFAULT_SOURCE = "vit_base_patch16_224"  # what collab_vit_converted converts when no record names a source
 
@@ -104,16 +131,22 @@ def _source_cfg(source: str) -> dict[str, Any]:
 
 
 # timm's DeiT ImageNet-1k weights, converted on load (collab_vit.conversion.pretrained); key dim from the keyword.
-DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/deit_{size}_patch16_224.fb_in1k",
-                           url=f"https://dl.fbaipublicfiles.com/deit/deit_{size}_patch16_224-{sha}.pth")
+DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/{model_name(size, '')}.fb_in1k",
+                           url=f"https://dl.fbaipublicfiles.com/deit/{model_name(size, '')}-{sha}.pth")
                 for size, sha in (("tiny", "a1311bcf"), ("small", "cd65a155"), ("base", "b5f2ef4d"))}
 default_cfgs = generate_default_cfgs({
-    **{f"{name}.fb_in1k": _cfg(**DEIT_WEIGHTS[name.split("_")[2]], **deit_eval_cfg(name.split("_")[2]))
-       for name in COLLAB_MODELS},
+    **{f"{name}.fb_in1k": _cfg(**DEIT_WEIGHTS[size], **deit_eval_cfg(size))
+       for name in COLLAB_MODELS for size in [ModelName.parse(name).size]},
     **{name: _cfg() for name in CONCAT_MODELS + [GENERIC_MODEL]},
     CONVERTED_MODEL: {k: v for k, v in _source_cfg(DEFAULT_SOURCE).items() if k != "architecture"},  # the default build
 })
 OWN_MODELS: list[str] = COLLAB_MODELS + CONCAT_MODELS + [GENERIC_MODEL, CONVERTED_MODEL]
+
+
+def layer_key_dim(layer: nn.Module) -> int:
+    """An attention layer's key/query dim: ``key_dim`` of ours, timm's ``attn_dim`` (heads x head dim); 0 for
+    a module that has neither."""
+    return int(getattr(layer, "key_dim", 0) or getattr(layer, "attn_dim", 0))
 
 
 def query_key_params(layer: nn.Module) -> int:
@@ -172,16 +205,18 @@ def _create(
         kwargs["pretrained_cfg_overlay"] = {"crop_pct": EVAL_CROP_PCT, **(kwargs.get("pretrained_cfg_overlay") or {})}
     key_dim: Union[None, int, Sequence[int]] = kwargs.pop("key_dim", fixed_key_dim)
     if fixed_key_dim is not None and key_dim != fixed_key_dim:
-        raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {variant.rsplit('_k', 1)[0]} for "
+        parts = ModelName.parse(variant)
+        raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {model_name(parts.size, parts.family)} for "
                          f"key_dim={key_dim}")
     method = kwargs.pop("conversion_method", "tucker")
     options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
     if isinstance(key_dim, (list, tuple)):
-        attn_layer = per_block_attention_class(attn_base, tuple(check_key_dim(k) for k in key_dim), mixing_init)
+        dims = tuple(positive_int(k, "key_dim") for k in key_dim)
+        attn_layer = per_block_attention_class(attn_base, dims, mixing_init)
     else:
-        full = kwargs.get("embed_dim", 768)
-        attn_layer = attention_class(attn_base, full if key_dim is None else check_key_dim(key_dim), mixing_init)
+        dim = kwargs.get("embed_dim", 768) if key_dim is None else positive_int(key_dim, "key_dim")
+        attn_layer = attention_class(attn_base, dim, mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
     with conversion(method, **options):
         model = build_model_with_cfg(

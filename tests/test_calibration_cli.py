@@ -84,7 +84,7 @@ def test_convert_with_a_budget_and_removed_flags(tmp_path, capsys) -> None:
     ("channels", "calibration images have 3 channels, the model takes 1"),
     ("size", "calibration images are 20x20 px, the model takes 16x16"),
     ("empty", "no images"),
-    ("count", "--calibration-images must be positive"),
+    ("count", "--calibration-images must be a positive integer, got 0"),
     ("no dir", "needs --calibration-data-dir"),
 ])
 def test_bad_calibration_input_is_one_line_and_writes_nothing(tmp_path, capsys, case: str, message: str) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 from torch import Tensor
 
-from ..layers.attention import check_key_dim
+from ..checks import fraction, is_integer, is_number, positive_int
 from .decompose import rank_for_energy
 
 BUDGET_PREFIX = "budget="
@@ -29,9 +28,7 @@ class Budget:
     fraction: float
 
     def __post_init__(self) -> None:
-        f = self.fraction
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f <= 1 or not math.isfinite(f):
-            raise ValueError(f"a budget is a fraction of the source's q/k parameters in (0, 1], got {f!r}")
+        fraction(self.fraction, "a budget (a fraction of the source's q/k parameters)")
 
     def total(self, full: Sequence[int]) -> int:
         """Key dims summed over the layers (``full``: each layer's ``heads x head_dim``)."""
@@ -62,13 +59,11 @@ def as_spec(spec: KeyDimSpec) -> KeyDimSpec:
     if spec is None or isinstance(spec, Budget):
         return spec
     if isinstance(spec, (list, tuple)):
-        return [check_key_dim(k) for k in spec]
-    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
-        return check_key_dim(int(spec))
-    if isinstance(spec, numbers.Real) and not isinstance(spec, bool):
-        if not 0 < spec <= 1:
-            raise ValueError(f"an energy threshold key_dim must be in (0, 1], got {spec!r}")
-        return float(spec)
+        return [positive_int(k, "key_dim") for k in spec]
+    if is_integer(spec):
+        return positive_int(spec, "key_dim")
+    if is_number(spec):
+        return fraction(spec, "an energy threshold key_dim")
     raise ValueError(f"key_dim must be an int, a list, an energy threshold in (0, 1] or budget=F, got {spec!r}")
 
 
@@ -103,7 +98,7 @@ def key_dims(spec: KeyDimSpec, full: Sequence[int], spectra: Sequence[Tensor]) -
         if len(spec) != len(full):
             raise ValueError(f"key_dim list has {len(spec)} entries but the model has {len(full)} attention layers")
         return spec, "given"
-    if isinstance(spec, int):
+    if is_integer(spec):
         return [spec] * len(full), "given"
     if isinstance(spec, Budget):
         return allocate(spec.total(full), spectra), "budget"

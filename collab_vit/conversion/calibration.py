@@ -12,14 +12,13 @@ ridge; :func:`calibration_images` turns a tensor or a loader into checked image 
 """
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from ..checks import positive_int, positive_real
 from .decompose import Decomposition, canonical_form, energy_spectrum, relative_error
 
 __all__ = ["DEFAULT_RIDGE", "TokenMoments", "Whitening", "whitener", "whitening", "whitened_decomposition",
@@ -62,7 +61,7 @@ class TokenMoments:
 
     def weighted_query(self, prefix_weight: float = 1.0) -> Tensor:
         """``query`` with the prefix tokens' rows counted ``prefix_weight`` times (docs/math.md, query weights)."""
-        weight = check_prefix_weight(prefix_weight)
+        weight = positive_real(prefix_weight, "prefix_weight")
         return self.query if weight == 1.0 else self.query + (weight - 1.0) * self.prefix
 
     @torch.no_grad()
@@ -83,16 +82,10 @@ class TokenMoments:
         self.images += x.shape[0]
 
 
-def check_prefix_weight(weight: object) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not weight > 0 or not math.isfinite(weight):
-        raise ValueError(f"prefix_weight must be a positive finite number or 'balanced', got {weight!r}")
-    return float(weight)
-
-
 def prefix_weight_for(weight: Union[float, str], prefix_tokens: int, patches: Optional[int]) -> float:
     """``"balanced"``: the prefix tokens' queries weigh as much as all the patch tokens' (``patches / prefix``)."""
     if weight != "balanced":
-        return check_prefix_weight(weight)
+        return positive_real(weight, "prefix_weight", " or 'balanced'")
     if patches is None:
         raise ValueError("prefix_weight='balanced' needs a ViT with patch_embed.num_patches; give a number")
     return patches / prefix_tokens if prefix_tokens else 1.0
@@ -126,8 +119,7 @@ def whitener(moment: Tensor, count: int, ridge: float = DEFAULT_RIDGE) -> Whiten
     ``eigh`` gives ``V diag(e) V^T``; the eigenvalues are clamped at ``lam`` (their exact lower bound) against
     round-off, so ``root = V diag(sqrt e)`` and ``root^{-T} = V diag(1 / sqrt e)`` are finite for any finite moment.
     """
-    if isinstance(ridge, bool) or not isinstance(ridge, numbers.Real) or not ridge > 0 or not math.isfinite(ridge):
-        raise ValueError(f"ridge must be a positive finite number, got {ridge!r}")
+    positive_real(ridge, "ridge")
     s = moment.to(torch.float64) / max(count, 1)
     s = (s + s.T) / 2
     d = s.shape[0]
@@ -185,9 +177,8 @@ def calibration_images(calibration: Calibration, input_size: Sequence[int], max_
     labels)`` or images). At most ``max_images`` are read. One-line ``ValueError`` for an empty input, a wrong
     shape (channels, size) or non-finite pixels.
     """
-    if max_images is not None and (isinstance(max_images, bool) or not isinstance(max_images, numbers.Integral)
-                                   or max_images <= 0):
-        raise ValueError(f"max_images must be a positive int, got {max_images!r}")
+    if max_images is not None:
+        positive_int(max_images, "max_images")
     batches = calibration.split(batch_size) if isinstance(calibration, Tensor) else calibration
     try:
         iterator: Iterator = iter(batches)

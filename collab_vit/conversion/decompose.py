@@ -34,12 +34,12 @@ thread on shared machines) are in ``benchmarks/decompose_notes.md``.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ..checks import fraction, nonnegative_int, positive_int, positive_real
 from ..layers.construction import concatenate_factors, split_qkv_heads
 
 __all__ = [
@@ -106,15 +106,12 @@ def _check_factors(wq: Tensor, wk: Tensor) -> None:
 
 
 def _check_rank(rank: int) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank <= 0:
-        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    positive_int(rank, "rank")
 
 
 def _check_als_args(max_iter: int, tol: float, dtype: torch.dtype) -> None:
-    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 0:
-        raise ValueError(f"max_iter must be an int >= 0, got {max_iter!r}")
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol > 0:
-        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    nonnegative_int(max_iter, "max_iter")
+    positive_real(tol, "tol")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
 
@@ -646,8 +643,7 @@ def rank_for_energy(cumulative_energy: Tensor, threshold: float) -> int:
         cumulative_energy: 1-D non-decreasing normalised cumulative energy, e.g. from ``energy_spectrum``.
         threshold: Energy fraction in (0, 1].
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+    fraction(threshold, "threshold")
     if not isinstance(cumulative_energy, Tensor) or cumulative_energy.dim() != 1 or cumulative_energy.numel() == 0:
         raise ValueError("cumulative_energy must be a non-empty 1-D tensor")
     below = int((cumulative_energy.double() < threshold - 1e-12).sum())

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Union
 import timm
 import torch.nn as nn
 
+from ..checks import is_integer
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_budget, suggest_key_dim
 from ..weights_io import HUB_OUTPUT, check_output_folder, export_writer, model_pipeline, read_weights, write_together
 from .calibration import DEFAULT_RIDGE, calibration_images
@@ -93,13 +94,13 @@ def format_report(reports: list[LayerReport]) -> str:
 
 
 def check_key_dims(key_dim: Union[None, int, float, list[int]], model: nn.Module) -> None:
-    """A one-line ValueError for a key dim beyond a layer's full rank ``num_heads * head_dim``: the conversion is
-    exact there, and a larger one only adds zero columns (docs/math.md)."""
+    """A one-line ValueError for a key dim beyond a layer's full rank ``attn_dim`` (heads x head dim): the
+    conversion is exact there, and a larger one only adds zero columns (docs/math.md)."""
     layers = timm_attention_layers(model)
     dims = key_dim if isinstance(key_dim, list) else [key_dim] * len(layers)
     for (name, attn), dim in zip(layers, dims):
-        full = attn.num_heads * attn.head_dim
-        if isinstance(dim, int) and not isinstance(dim, bool) and dim > full:
+        full = attn.attn_dim
+        if is_integer(dim) and dim > full:
             raise ValueError(f"--key-dim {dim} is beyond the full rank {full} of {name} (num_heads x head_dim): the "
                              f"conversion is exact at {full}, a larger key dim only adds zero columns")
 

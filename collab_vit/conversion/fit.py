@@ -17,7 +17,7 @@ import torch
 from timm.layers import Attention
 
 from ..layers.attention import CollaborativeAttention
-from ..layers.construction import from_factors
+from ..layers.construction import from_factors, not_convertible
 from .calibration import Whitening, whitened_decomposition
 from .decompose import (Decomposition, cp_decompose, exact_decomposition, parafac_decompose, split_qkv_heads,
                         tucker_decompose)
@@ -66,10 +66,10 @@ def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
     check_method(method)
     why = attention_reason(attn) if isinstance(attn, Attention) else "not a timm Attention"
     if why is not None:  # before the decomposition
-        raise ValueError(f"cannot convert this {type(attn).__name__}: {why}")
+        raise not_convertible(attn, why)
     wq, wk = head_factors(attn)
     began = time.perf_counter()
-    if key_dim >= attn.num_heads * attn.head_dim:
+    if key_dim >= attn.attn_dim:
         return LayerFit(layer_from_decomposition(attn, exact_decomposition(wq, wk, key_dim)), key_dim, 0.0,
                         None if sides is None else 0.0, time.perf_counter() - began)
     whitened = None

@@ -19,12 +19,10 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention
 
+from ..layers.construction import conversion_reason, replace_submodule
 from ..layers.forms import (CollaborativeEvaFormAttention, CollaborativeRelPosAttention, EvaFormAttention,
                             RelPosAttention)
 
-QK_NORM = "qk_norm normalises each head's queries and keys token by token, so the logits are not a bilinear form of " \
-          "the tokens"
-GATED = "a gated output (sigmoid gate on the heads) the collaborative layer does not have"
 COLLABORATIVE_FORM = {RelPosAttention: CollaborativeRelPosAttention, EvaFormAttention: CollaborativeEvaFormAttention}
 
 
@@ -34,20 +32,6 @@ def is_beit_attention(module: nn.Module) -> bool:
 
 def is_eva_attention(module: nn.Module) -> bool:
     return type(module).__name__ == "EvaAttention" and type(module).__module__ == "timm.models.eva"
-
-
-def eva_reason(attn: nn.Module, model: nn.Module) -> Optional[str]:
-    """Why an EVA attention layer of ``model`` does not convert; None when its rewrite is exact."""
-    if getattr(model, "rope", None) is not None:
-        return None  # the caller names rope
-    if not isinstance(attn.q_norm, nn.Identity) or not isinstance(attn.k_norm, nn.Identity):
-        return QK_NORM
-    if getattr(attn, "gate", None) is not None:
-        return GATED
-    dim = attn.proj.out_features
-    if attn.num_heads * attn.head_dim != dim:
-        return f"heads x head dim ({attn.num_heads * attn.head_dim}) differs from dim ({dim}): not covered"
-    return None
 
 
 def from_eva(attn: nn.Module) -> EvaFormAttention:
@@ -91,9 +75,9 @@ def from_beit(attn: nn.Module) -> RelPosAttention:
 
 def rewrite(module: nn.Module, model: nn.Module) -> Optional[Attention]:
     """The timm-``Attention`` form of ``module`` if it is a BEiT layer or a convertible EVA one, else None."""
-    if is_beit_attention(module) and module.qkv.out_features == 3 * module.qkv.in_features:
+    if is_beit_attention(module) and conversion_reason(module) is None:
         return from_beit(module)
-    if is_eva_attention(module) and getattr(model, "rope", None) is None and eva_reason(module, model) is None:
+    if is_eva_attention(module) and getattr(model, "rope", None) is None and conversion_reason(module) is None:
         return from_eva(module)
     return None
 
@@ -104,8 +88,7 @@ def prepare(model: nn.Module) -> int:
     found = [(name, form) for name, module in model.named_modules()
              if (form := rewrite(module, model)) is not None]
     for name, form in found:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, form)
+        replace_submodule(model, name, form)
     return len(found)
 
 

@@ -23,6 +23,8 @@ from timm.layers import Attention
 from torch import Tensor
 from tqdm import tqdm
 
+from ..checks import is_integer
+from ..layers.construction import replace_submodule
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
 from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitened_spectrum, whitening
 from .decompose import energy_spectrum, relative_error
@@ -62,8 +64,8 @@ def split(n: int, holdout: Optional[int]) -> int:
     """Fitting images out of ``n`` (the rest is held out): an eighth held out by default, 1 to 32."""
     if holdout is None:
         holdout = min(max(1, n // 8), 32) if n >= 2 else 0
-    if isinstance(holdout, bool) or not isinstance(holdout, int) or not 0 <= holdout < n:
-        raise ValueError(f"holdout must be an int in [0, {n}) for {n} calibration images, got {holdout!r}")
+    if not is_integer(holdout) or not 0 <= holdout < n:
+        raise ValueError(f"holdout must be an integer in [0, {n}) for {n} calibration images, got {holdout!r}")
     return n - holdout
 
 
@@ -85,11 +87,6 @@ def tensor_error(attn: Attention, layer: nn.Module) -> float:
     return relative_error(wq, wk, *(w.detach().cpu() for w in weights))
 
 
-def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, layer)
-
-
 def start_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec, moments: list, ridge: float,
                prefix_weight: float) -> tuple[dict[str, list[int]], str]:
     """Each start's key dims: a threshold or budget reads the weight spectra for the weight-only start (so that
@@ -100,7 +97,7 @@ def start_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec, moments: l
         return {start: by_weight for start in STARTS}, dims_from
     white = [whitened_spectrum(*head_factors(attn), whitening(m, ridge, prefix_weight if isinstance(spec, Budget)
                                                                else 1.0)) for (_, attn), m in zip(layers, moments)]
-    full = [a.num_heads * a.head_dim for _, a in layers]
+    full = [a.attn_dim for _, a in layers]
     return {"weight": by_weight, "whitened": key_dims(spec, full, white)[0]}, dims_from
 
 
@@ -108,7 +105,7 @@ def weight_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec) -> tuple[
     """The weight-only conversion's key dims (thresholds and budgets read the weight spectra) and where they came
     from: ``_weight_only`` and the recipe's weight-only candidate both take them from here."""
     spectra = [energy_spectrum(*head_factors(a))[0] for _, a in layers] if isinstance(spec, (float, Budget)) else []
-    return key_dims(spec, [a.num_heads * a.head_dim for _, a in layers], spectra)
+    return key_dims(spec, [a.attn_dim for _, a in layers], spectra)
 
 
 @dataclass
@@ -149,7 +146,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
 
     def install(fits: list[LayerFit]) -> None:
         for (name, _), fitted in zip(layers, fits):
-            _swap(model, name, fitted.layer.eval())
+            replace_submodule(model, name, fitted.layer.eval())
 
     def measure(candidate: Candidate) -> Candidate:
         install(candidate.fits)

@@ -6,12 +6,12 @@ became and its key dim. ``collab_vit_converted`` (``models.py``) creates the sou
 architecture without its weights, swaps those layers for collaborative ones (:func:`swap_layers`) and loads the
 weights: any model that converts can be rebuilt (BEiT, EVA, rotary ViTs, distilled DeiT, parallel blocks). A
 converted timm DeiT (``deit_{tiny,small,base}_patch16_224``) is recorded as the registered
-``collab_deit_{size}_patch16_224`` with the source's arguments and one key dim per layer.
+``collab_deit_{size}_patch16_224`` with the source's arguments and one key dim per layer (the names:
+:data:`COLLABORATIVE_NAMES`, which ``models.py`` fills as it registers them).
 """
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any, Optional
 
 import timm
@@ -19,21 +19,17 @@ import torch
 import torch.nn as nn
 
 from ..layers.attention import CollaborativeAttention
+from ..layers.construction import full_rank, replace_submodule
 from ..layers.forms import RelPosBias
 from ..layers.weight_decay import exclude_mixing_from_decay
+from ..weights_io import one_line
 from .forms import COLLABORATIVE_FORM
 from .rotary import is_rotary, rotary_like
 from .support import attention_forms
 
-DEIT_NAME = re.compile(r"^deit_(tiny|small|base)_patch16_224$")
+COLLABORATIVE_NAMES: dict[str, str] = {}  # timm source name -> the registered model its conversion is recorded as
 CONVERTED_MODEL = "collab_vit_converted"
 SOURCE, LAYERS = "source_model", "collaborative_layers"  # the two keywords collab_vit_converted adds to the source's
-
-
-def collaborative_name(source: str) -> Optional[str]:
-    """``collab_deit_{size}_patch16_224`` for timm's ``deit_{size}_patch16_224``, else None."""
-    match = DEIT_NAME.match(source)
-    return f"collab_deit_{match.group(1)}_patch16_224" if match else None
 
 
 def layer_record(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -46,7 +42,7 @@ def converted_record(model: nn.Module, source: str, args: dict[str, Any]) -> tup
     """The registered entry point and keyword arguments that rebuild ``model``, converted from timm's ``source``
     created with ``args`` (see the module docstring)."""
     layers = layer_record(model)
-    deit = collaborative_name(source)
+    deit = COLLABORATIVE_NAMES.get(source)
     if deit and all(entry["layer"] == CollaborativeAttention.__name__ for entry in layers.values()):
         return deit, {**args, "key_dim": [entry["key_dim"] for entry in layers.values()]}
     return CONVERTED_MODEL, {**args, SOURCE: source, LAYERS: layers}
@@ -68,9 +64,9 @@ def _collaborative_like(form: nn.Module, cls: type, key_dim: int) -> Collaborati
 
 def full_rank_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     """The record of ``model`` (a timm model) with every attention layer collaborative at its full rank
-    ``num_heads * head_dim``: what ``collab_vit_converted`` builds when no record is given."""
+    (heads x head dim): what ``collab_vit_converted`` builds when no record is given."""
     return {name: {"layer": COLLABORATIVE_FORM.get(type(form), CollaborativeAttention).__name__,
-                   "key_dim": form.num_heads * form.head_dim} for name, form in attention_forms(model)}
+                   "key_dim": full_rank(form)} for name, form in attention_forms(model)}
 
 
 def swap_layers(model: nn.Module, layers: Optional[dict[str, dict[str, Any]]]) -> nn.Module:
@@ -89,8 +85,7 @@ def swap_layers(model: nn.Module, layers: Optional[dict[str, dict[str, Any]]]) -
         if entry.get("layer") != cls.__name__:
             raise ValueError(f"the record makes {name} a {entry.get('layer')}, the source's layer becomes a "
                              f"{cls.__name__}")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer or _collaborative_like(forms[name], cls, entry["key_dim"]))
+        replace_submodule(model, name, layer or _collaborative_like(forms[name], cls, entry["key_dim"]))
     return exclude_mixing_from_decay(model)
 
 
@@ -101,7 +96,7 @@ def rebuild_problem(model: nn.Module, name: str, args: dict[str, Any]) -> Option
     try:
         rebuilt = timm.create_model(name, **args).eval()
     except (TypeError, ValueError, KeyError, AssertionError, RuntimeError) as e:
-        return f"{name} does not take the recorded arguments ({str(e).strip().splitlines()[0]})"
+        return f"{name} does not take the recorded arguments ({one_line(e)})"
     own, recorded = source.state_dict(), rebuilt.state_dict()
     wrong = [k for k in own.keys() | recorded.keys() if k not in own or k not in recorded
              or own[k].shape != recorded[k].shape]

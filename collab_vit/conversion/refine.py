@@ -13,7 +13,6 @@ closed form is already close, e.g. key dim D/4 on Fashion-MNIST: RESULTS.md), th
 """
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from ..checks import nonnegative_int, positive_real
 from ..layers.attention import CollaborativeAttention
 
 @dataclass
@@ -38,18 +38,11 @@ class RefineResult:
     losses: list[float] = field(default_factory=list)
 
 
-def check_steps(steps: object) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-        raise ValueError(f"refine_steps must be an int >= 0, got {steps!r}")
-    return int(steps)
-
-
 def _refine(params: list[nn.Parameter], batch_loss: Callable[[Tensor], Tensor], full_loss: Callable[[], float],
             count: int, steps: int, lr: float, batch_size: int, seed: int, progress: bool, desc: str) -> RefineResult:
     """Adam on ``params``: ``steps`` minibatches of ``batch_size`` indices in ``range(count)`` (seeded), the guard."""
-    steps = check_steps(steps)
-    if not isinstance(lr, numbers.Real) or not lr > 0:
-        raise ValueError(f"refine_lr must be a positive number, got {lr!r}")
+    steps = nonnegative_int(steps, "refine_steps")
+    lr = positive_real(lr, "refine_lr")
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(params, lr=lr)
     losses: list[float] = []

@@ -20,6 +20,7 @@ from timm.layers import Attention
 from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention
+from ..layers.construction import not_convertible, replace_submodule
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
 from .calibration import Calibration, TokenMoments, calibration_images, whitened_spectrum, whitening
 from .capture import source_tokens
@@ -79,6 +80,8 @@ def reparametrize_attention(attn: Attention, key_dim: Union[None, int, float], m
     model output to guard against: :func:`reparametrize` measures the candidates on the model's outputs.
     """
     check_method(method)
+    if not isinstance(attn, Attention):  # before any weight is read
+        raise not_convertible(attn, "not a timm Attention")
     spec = as_spec(key_dim)
     if isinstance(spec, (list, Budget)):
         raise ValueError("reparametrize_attention takes one layer: an int, a threshold or None (lists and budgets "
@@ -89,10 +92,8 @@ def reparametrize_attention(attn: Attention, key_dim: Union[None, int, float], m
         if moments.dim != attn.qkv.in_features:
             raise ValueError(f"calibration tokens have D={moments.dim}, the layer has D={attn.qkv.in_features}")
         sides = whitening(moments)
-    full = attn.num_heads * attn.head_dim
-    if isinstance(spec, float):  # only a timm Attention has the weights read here
-        if not isinstance(attn, Attention):
-            raise ValueError(f"cannot convert this {type(attn).__name__}: not a timm Attention")
+    full = attn.attn_dim
+    if isinstance(spec, float):
         spectrum = energy_spectrum(*head_factors(attn))[0] if sides is None else whitened_spectrum(
             *head_factors(attn), sides)
         spec = key_dims(spec, [full], [spectrum])[0][0]
@@ -121,11 +122,6 @@ def output_error(layer: nn.Module, original: nn.Module, tokens: torch.Tensor) ->
     layer.train(was[0])
     original.train(was[1])
     return _relative(out, ref)
-
-
-def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, layer)
 
 
 def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "tucker",
@@ -222,7 +218,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim:
                                           dims, held):
         fitted: LayerFit = fit_attention(attn, rank, method, None, seed=seed, **options)
         error = output_error(fitted.layer, attn, tokens)
-        _swap(model, name, fitted.layer)
+        replace_submodule(model, name, fitted.layer)
         reports.append(LayerReport(name, rank, fitted.tensor_error, error, fitted.seconds,
                                    key_dim_from=dims_from))
     return ConversionReport(reports)

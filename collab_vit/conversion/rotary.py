@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
-from .forms import QK_NORM, is_eva_attention
+from ..layers.construction import QK_NORM, full_rank, replace_submodule
+from .forms import is_eva_attention
 
 NOT_YET = "compression of rotary attention: not yet"
 SHARED_ROPE = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMRope)  # one rope tensor for all heads
@@ -55,8 +56,8 @@ def rotary_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
     if getattr(module, "num_kv_groups", 1) != 1:
         return "grouped-query attention (fewer key/value heads than query heads): not covered"
     dim = module.proj.out_features
-    if module.num_heads * module.head_dim != dim or projections(module)[0].shape[1] != dim:
-        return (f"heads x head dim ({module.num_heads * module.head_dim}) differs from dim ({dim}): not covered "
+    if full_rank(module) != dim or projections(module)[0].shape[1] != dim:
+        return (f"heads x head dim ({full_rank(module)}) differs from dim ({dim}): not covered "
                 f"(collaborative layers keep dim / heads per value head)")
     return ""
 
@@ -108,7 +109,7 @@ def rotary_like(attn: nn.Module, key_dim: int) -> CollaborativeAttentionRope:
 def rotary_layer(attn: nn.Module, key_dim: Optional[int] = None) -> CollaborativeAttentionRope:
     """The exact collaborative rotary layer of ``attn`` (module docstring) at ``key_dim >= heads x head dim`` (default:
     equal; extra shared pairs are zero); ``attn`` is unchanged."""
-    full = attn.num_heads * attn.head_dim
+    full = full_rank(attn)
     key_dim = full if key_dim is None else key_dim
     if key_dim < full:
         raise ValueError(f"{NOT_YET}: key_dim {key_dim} is below the full rank {full} (heads x head dim)")
@@ -137,7 +138,7 @@ def full_rank_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> lis
     if isinstance(spec, (float, Budget)):
         asked = f"budget={spec.fraction}" if isinstance(spec, Budget) else f"threshold {spec}"
         raise ValueError(f"{NOT_YET} (key_dim {asked} compresses); key_dim=None converts it exactly")
-    full = [attn.num_heads * attn.head_dim for _, attn in layers]
+    full = [full_rank(attn) for _, attn in layers]
     dims, _ = key_dims(spec, full, [])
     for (name, _), dim, rank in zip(layers, dims, full):
         if dim < rank:
@@ -207,6 +208,5 @@ def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: 
         layer = rotary_layer(attn, dim)
         seconds = time.perf_counter() - began
         rows.append((name, dim, output_error(layer, attn, call), seconds))
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        replace_submodule(model, name, layer)
     return rows

@@ -13,14 +13,13 @@ for 90 / 95 / 99 % of it, a suggested ``key_dim``, a Markdown table and a PNG pl
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from timm.layers import Attention
 from torch import Tensor, nn
 
+from ..checks import fraction, positive_int
 from .calibration import DEFAULT_RIDGE, whitening
 from .capture import source_tokens
 from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
@@ -123,10 +122,8 @@ def suggest_key_dim(spectra: list[LayerSpectrum], threshold: float = 0.95, multi
     Returns:
         The max over layers of the dims needed at ``threshold``, rounded up to ``multiple_of``.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, numbers.Integral) or multiple_of <= 0:
-        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
+    fraction(threshold, "threshold")
+    positive_int(multiple_of, "multiple_of")
     if not spectra:
         raise ValueError("spectra is empty")
     need = max(_dims_at(s, threshold) for s in spectra)

@@ -31,10 +31,11 @@ import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent
 
 from ..layers.attention import CollaborativeAttention, ConcatAttention
+from ..layers.construction import conversion_reason
 from ..layers.forms import EvaFormAttention, RelPosAttention
 from ..layers.weight_decay import exclude_mixing_from_decay
 from . import forms
-from .forms import GATED, QK_NORM, eva_reason, is_beit_attention, is_eva_attention, prepare
+from .forms import is_beit_attention, is_eva_attention, prepare
 from .rotary import rotary_reason
 
 ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
@@ -56,18 +57,11 @@ class Support:
 
 
 def attention_reason(attn: nn.Module) -> Optional[str]:
-    """Why a timm ``Attention`` (or subclass) does not convert exactly; None when it does."""
+    """Why a timm ``Attention`` (or subclass) does not convert exactly (a subclass with its own forward, or
+    ``construction.conversion_reason``); None when it does."""
     if type(attn).forward is not Attention.forward and not isinstance(attn, (RelPosAttention, EvaFormAttention)):
         return f"{type(attn).__name__} subclasses timm's Attention with its own forward: not known to be convertible"
-    if not isinstance(attn.q_norm, nn.Identity) or not isinstance(attn.k_norm, nn.Identity):
-        return QK_NORM
-    if getattr(attn, "gate", None) is not None:
-        return GATED
-    dim = attn.qkv.in_features
-    if attn.attn_dim != dim or attn.proj.out_features != dim:
-        return (f"heads x head dim ({attn.attn_dim}) or output dim ({attn.proj.out_features}) differs from dim "
-                f"({dim}): not covered (collaborative layers keep dim / heads per value head)")
-    return None
+    return conversion_reason(attn)
 
 
 def _other_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
@@ -91,11 +85,8 @@ def _convertible_reason(module: nn.Module, model: nn.Module) -> Optional[str]:
         return rotary
     if isinstance(module, Attention):
         return attention_reason(module) or ""
-    if is_eva_attention(module) and getattr(model, "rope", None) is None:  # rewritten first (``forms.py``)
-        return eva_reason(module, model) or ""
-    if is_beit_attention(module):  # relative position bias: additive to the logits (``forms.py``)
-        dim, attn_dim = module.qkv.in_features, module.qkv.out_features // 3
-        return f"heads x head dim ({attn_dim}) differs from dim ({dim}): not covered" if attn_dim != dim else ""
+    if (is_eva_attention(module) and getattr(model, "rope", None) is None) or is_beit_attention(module):
+        return conversion_reason(module) or ""  # rewritten first (``forms.py``); BEiT's bias adds to the logits
     return None
 
 

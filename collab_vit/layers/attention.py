@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.jit import Final
 from timm.layers import Attention, use_fused_attn
 
-from .construction import concatenate_factors, from_factors, split_qkv_heads
+from ..checks import positive_int
+from .construction import concatenate_factors, conversion_reason, from_factors, not_convertible, split_qkv_heads
 from .attention_core import collaborative_logits, content_mask
 from .dispatch import attend, collaborative_attend
 from .pickling import reduced_by
@@ -27,17 +28,10 @@ MixingInit = Literal["concatenate", "random"]
 MIXING_INITS = ("concatenate", "random")
 
 
-def check_key_dim(key_dim: object) -> int:
-    """Return ``key_dim`` if it is a positive integer, else raise a one-line ``ValueError``."""
-    if isinstance(key_dim, bool) or not isinstance(key_dim, int) or key_dim <= 0:
-        raise ValueError(f"key_dim must be a positive integer, got {key_dim!r}")
-    return key_dim
-
-
 def check_layer_args(dim: int, num_heads: int, key_dim: object, needs_norm: bool,
                      norm_layer: Optional[Type[nn.Module]]) -> int:
     """Checks shared by both layers; returns the key dim (``dim`` when None)."""
-    key_dim = dim if key_dim is None else check_key_dim(key_dim)
+    key_dim = dim if key_dim is None else positive_int(key_dim, "key_dim")
     if dim % num_heads != 0:
         raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
     if needs_norm and norm_layer is None:
@@ -180,14 +174,11 @@ class CollaborativeAttention(HeadOutput):
         """
         if not isinstance(attn, Attention):
             raise TypeError(f"from_attention expects a timm Attention, got {type(attn).__name__}")
+        why = conversion_reason(attn)
+        if why is not None:
+            raise not_convertible(attn, why)
         dim = attn.qkv.in_features
-        if attn.attn_dim != dim or attn.proj.out_features != dim:
-            raise ValueError(f"from_attention needs attn_dim == dim_out == dim ({dim}), got attn_dim={attn.attn_dim}")
-        if getattr(attn, "gate", None) is not None:
-            raise ValueError("from_attention does not support gated timm Attention")
-        if not isinstance(attn.q_norm, nn.Identity):
-            raise ValueError("from_attention cannot convert exactly a layer with qk_norm (per-head normalisation)")
-        key_dim = dim if key_dim is None else check_key_dim(key_dim)
+        key_dim = dim if key_dim is None else positive_int(key_dim, "key_dim")
         if key_dim < dim:
             raise ValueError(f"exact conversion needs key_dim >= dim ({dim}), got {key_dim}; "
                              f"use collab_vit.reparametrize for compressed layers")
@@ -260,7 +251,7 @@ def attention_class(base: Type[nn.Module], key_dim: int, mixing_init: Optional[M
     timm's ``VisionTransformer`` only accepts a class (it calls ``issubclass``) and passes no extra keywords, so the
     key dim travels in the class. Classes are cached: one per (base, key_dim, mixing_init).
     """
-    check_key_dim(key_dim)
+    positive_int(key_dim, "key_dim")
     fixed = {"key_dim": key_dim} if mixing_init is None else {"key_dim": key_dim, "mixing_init": mixing_init}
     suffix = f"K{key_dim}" + ("" if mixing_init is None else mixing_init.capitalize())
 

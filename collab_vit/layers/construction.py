@@ -1,18 +1,58 @@
 """Building a collaborative layer from a timm ``Attention``: the one place that does it (paper section 3.3).
 
-``split_qkv_heads`` reads the per-head query/key factors of the fused ``qkv`` weight; ``concatenate_factors`` is the
-concatenate construction (exact at full rank); ``from_factors`` builds the layer from any shared factors ``W~q, W~k``
-and mixing ``M`` (a decomposition's, or the concatenate ones) and copies everything else.
+``conversion_reason`` says whether a layer has an exact collaborative form, and if not why (the layer's
+``from_attention``, the conversion's support check and its rewritten forms all ask it); ``split_qkv_heads`` reads
+the per-head query/key factors of the fused ``qkv`` weight; ``concatenate_factors`` is the concatenate construction
+(exact at full rank); ``from_factors`` builds the layer from any shared factors ``W~q, W~k`` and mixing ``M`` (a
+decomposition's, or the concatenate ones) and copies everything else; ``replace_submodule`` puts the layer in its
+model's place.
 """
 from __future__ import annotations
 
 import copy
-import numbers
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from timm.layers import Attention
+
+from ..checks import positive_int
+
+QK_NORM = "qk_norm normalises each head's queries and keys token by token, so the logits are not a bilinear form of " \
+          "the tokens"
+GATED = "a gated output (sigmoid gate on the heads) the collaborative layer does not have"
+
+
+def full_rank(attn: nn.Module) -> int:
+    """A layer's full q/k rank, heads x head dim: timm's ``attn_dim`` where the layer has it (``Attention``), else
+    the product (EVA's and rotary layers)."""
+    return getattr(attn, "attn_dim", None) or attn.num_heads * attn.head_dim
+
+
+def conversion_reason(attn: nn.Module) -> Optional[str]:
+    """Why a self-attention layer with per-head forms ``x_n^T Wq_i Wk_i^T x_m`` (timm's ``Attention``, BEiT's,
+    EVA's without rope) has no exact collaborative form (eq. 5); None when it has one.
+
+    Refused: ``qk_norm`` (the logits are no bilinear form), a gated output, and heads x head dim (timm's
+    ``attn_dim``, the width of the output projection's input) or output dim other than the token dim.
+    """
+    if any(not isinstance(getattr(attn, norm, None), (nn.Identity, type(None))) for norm in ("q_norm", "k_norm")):
+        return QK_NORM
+    if getattr(attn, "gate", None) is not None:
+        return GATED
+    fused = getattr(attn, "qkv", None)
+    dim = (fused if fused is not None else attn.q_proj).in_features
+    attn_dim, dim_out = attn.proj.in_features, attn.proj.out_features
+    if attn_dim != dim or dim_out != dim:
+        return (f"heads x head dim ({attn_dim}) or output dim ({dim_out}) differs from dim ({dim}): not covered "
+                f"(collaborative layers keep dim / heads per value head)")
+    return None
+
+
+def not_convertible(attn: nn.Module, why: str) -> ValueError:
+    """The one-line refusal of a layer that does not convert (``why``: :func:`conversion_reason`'s, or another)."""
+    return ValueError(f"cannot convert this {type(attn).__name__}: {why}")
 
 
 def split_qkv_heads(qkv_weight: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
@@ -29,8 +69,7 @@ def split_qkv_heads(qkv_weight: Tensor, num_heads: int) -> tuple[Tensor, Tensor]
     """
     if not isinstance(qkv_weight, Tensor) or qkv_weight.dim() != 2:
         raise ValueError(f"qkv_weight must be a 2-D tensor of shape (3D, D), got {getattr(qkv_weight, 'shape', None)}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = positive_int(num_heads, "num_heads")
     three_d, d = qkv_weight.shape
     if three_d != 3 * d:
         raise ValueError(f"qkv_weight must have shape (3D, D), got {tuple(qkv_weight.shape)}")
@@ -82,3 +121,9 @@ def from_factors(cls: type, attn: Attention, query: Tensor, key: Tensor, mixing:
     layer.norm = copy.deepcopy(attn.norm)  # scale_norm, with its exact eps and weights
     layer.fused_attn = attn.fused_attn
     return layer.train(attn.training)
+
+
+def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` in ``model`` at the dotted submodule name ``name`` (e.g. ``"blocks.3.attn"``), in place."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)

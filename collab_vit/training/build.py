@@ -31,9 +31,10 @@ from timm.utils import ModelEmaV3, NativeScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
+from ..checks import positive_real
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import WeightsError, check_fit, model_pipeline, read_weights
+from ..weights_io import WeightsError, check_fit, model_pipeline, one_line, read_weights
 from .checkpoint import Progress
 from .config import ConfigError, DataError, TrainConfig
 from .data import (SkipFirstSampler, build_dataset, build_eval_loader, build_mixup, build_train_loader,
@@ -245,7 +246,7 @@ def build_model(name: str, num_classes: int, img_size: Optional[int] = None, dro
             raise
         raise ConfigError(f"model '{name}' does not take the keyword '{unknown.group(1)}' (model_kwargs)") from None
     except ValueError as e:
-        raise ConfigError(f"bad model_kwargs for '{name}': {str(e).strip().splitlines()[0]}") from None
+        raise ConfigError(f"bad model_kwargs for '{name}': {one_line(e)}") from None
 
 
 def source_weights_pipeline(name: str, model: torch.nn.Module) -> Optional[Dict[str, Any]]:
@@ -284,8 +285,7 @@ def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: st
                 state = collab_filter_fn(dict(state), model)
         except (ValueError, RuntimeError, KeyError) as e:
             raise WeightsError(f'cannot convert the standard attention weights in {source} for this model '
-                               f'({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); '
-                               f'convert them first with `collab-vit convert`') from None
+                               f'({one_line(e)}); convert them first with `collab-vit convert`') from None
     own = model.state_dict()
     if allow_new_head:
         for key in list(state):
@@ -338,8 +338,7 @@ def build_optimizer(model: torch.nn.Module, opt: str, lr: float, weight_decay: f
                     layer_decay: float | None, mixing_lr_scale: float = 1.0, **opt_kwargs) -> torch.optim.Optimizer:
     """``create_optimizer_v2`` on the model (timm's own groups) or, with ``mixing_lr_scale != 1``, on
     ``mixing_param_groups``."""
-    if mixing_lr_scale <= 0:
-        raise ValueError(f'mixing_lr_scale must be positive, got {mixing_lr_scale}')
+    positive_real(mixing_lr_scale, 'mixing_lr_scale')
     if mixing_lr_scale == 1.0:
         return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                    layer_decay=layer_decay, **opt_kwargs)

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from ..weights_io import atomic_write
+from ..checks import is_integer, is_number
+from ..weights_io import WeightsError, atomic_write
 
 
 class ConfigError(ValueError):
@@ -28,6 +29,9 @@ class ConfigError(ValueError):
 
 class DataError(RuntimeError):
     """The data directory is missing, empty or unreadable; the message names the path (one line, exit 2)."""
+
+
+BAD_INPUT = (ConfigError, DataError, WeightsError, FileNotFoundError)  # exit 2 of train.py and eval.py (console.py)
 
 
 def setting(default: Any, help: str) -> Any:
@@ -170,11 +174,11 @@ def _coerce(name: str, value: Any, where: str) -> Any:
                 return bool(value)
             raise ValueError(value)
         if isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            if not (is_number(value) or isinstance(value, str)):
                 raise ValueError(value)
             return float(value)
         if isinstance(default, int):
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            if not (is_number(value) or isinstance(value, str)):
                 raise ValueError(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -266,7 +270,7 @@ def check_key_dim_value(value: Any, where: str) -> None:
     """``model_kwargs.key_dim``: a positive int or a list of them (one per block); its length is checked when the
     model is built."""
     values = value if isinstance(value, list) else [value]
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+    if not values or not all(is_integer(v) and v > 0 for v in values):
         raise ConfigError(f"bad value {value!r} for 'model_kwargs.key_dim' in {where} (expected a positive integer "
                           f"or a list of them, one per block)")
 

@@ -158,7 +158,7 @@ def build_dataset(dataset: str, root: str, split: str, is_training: bool, batch_
                             seed=seed, repeats=repeats, download=download)
     except (FileNotFoundError, RuntimeError, AssertionError) as e:
         raise DataError(f"cannot read dataset '{dataset or 'folder'}' at {os.path.abspath(root)} "
-                        f"(split '{split}'): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+                        f"(split '{split}'): {one_line(e)}") from e
     try:
         n = len(ds)
     except TypeError:  # some iterable datasets only know their size once loading starts

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..layers.attention import CollaborativeAttention
-from ..weights_io import WeightsError, WriteError, atomic_write, model_pipeline, one_line, read_weights
+from ..console import run_command
+from ..weights_io import WriteError, atomic_write, model_pipeline, read_weights
 from .build import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
-from .config import ConfigError, DataError, Parser, parse_key_value_pairs
+from .config import BAD_INPUT, ConfigError, Parser, parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .engine import autocast_context, evaluate
@@ -160,17 +160,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Console entry for ``eval.py``; config, data and checkpoint errors are one line, exit 2; a failed write of
-    ``--output`` (a full disk) is one line, exit 1; Ctrl-C one line, exit 130."""
-    try:
-        run(parse_args(argv))
-    except (ConfigError, DataError, WeightsError, FileNotFoundError) as e:
-        print(f'error: {one_line(e)}', file=sys.stderr)
-        return 2
-    except WriteError as e:
-        print(f'error: {one_line(e)}', file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C: every write is atomic, so nothing is left half written
-        print('error: interrupted (SIGINT); no --output was written', file=sys.stderr)
-        return 130
-    return 0
+    """Console entry for ``eval.py`` (``console.run_command``): config, data and checkpoint errors are one line, exit
+    2; a failed write of ``--output`` (a full disk) one line, exit 1; SIGINT / SIGTERM one line, exit 130 / 143."""
+    return run_command(lambda: run(parse_args(argv)), BAD_INPUT, (WriteError,),
+                       after_signal='; no --output was written')

@@ -8,7 +8,7 @@ import socket
 import sys
 from typing import Any, Dict, Optional
 
-from ..weights_io import append_line
+from ..weights_io import append_line, one_line
 
 
 def _wandb_online() -> bool:
@@ -41,8 +41,7 @@ class RunLogger:
             return wandb.init(project=project, name=name, config=config, dir=output, mode=mode,
                               resume='allow' if resume else None, settings=wandb.Settings(init_timeout=30))
         except Exception as e:  # never let logging take a run down
-            print(f'warning: wandb disabled ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""})',
-                  file=sys.stderr)
+            print(f'warning: wandb disabled ({type(e).__name__}: {one_line(e)})', file=sys.stderr)
             return None
 
     def info(self, msg: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sys
 import time
 from typing import Any, Dict, List, Optional, Union
@@ -18,12 +17,14 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from timm.utils import random_seed
 
-from ..weights_io import WeightsError, WriteError, export_safetensors, one_line, torch_load
+from ..console import run_command
+from ..models import ModelName, layer_key_dim
+from ..weights_io import WeightsError, WriteError, export_safetensors, torch_load
 from .build import Run, assemble, scaled_lr
 from .checkpoint import (SAMPLE_ORDER, check_geometry, check_run_dir, check_same_run, checkpoint_state, gather_rng,
                          load_training_checkpoint, plain, prepare_run_dir, repair_run_dir, restore, rng_state,
                          run_geometry, run_record, save_checkpoint, set_rng_state)
-from .config import ConfigError, DataError, TrainConfig, parse_train_args, save_config
+from .config import BAD_INPUT, ConfigError, TrainConfig, parse_train_args, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, cleanup_distributed, init_distributed
 from .engine import EpochResult, NonFiniteLossError, evaluate, train_one_epoch
 from .runlog import RunLogger
@@ -32,15 +33,14 @@ from .stop import StopRequest
 
 def key_dim_of(model: torch.nn.Module, name: str, model_kwargs: Dict[str, Any]) -> Union[int, List[int]]:
     """The attention key/query dim of a ViT: one int, or one per block when they differ (a converted model)."""
-    dims = [int(getattr(block.attn, 'key_dim', 0) or getattr(block.attn, 'attn_dim', 0))
-            for block in getattr(model, 'blocks', [])]
+    dims = [layer_key_dim(block.attn) for block in getattr(model, 'blocks', [])]
     if dims and all(dims):
         return dims[0] if len(set(dims)) == 1 else dims
     key_dim = model_kwargs.get('key_dim')
     if key_dim is not None:
         return key_dim
-    match = re.search(r'_k(\d+)$', name)
-    return int(match.group(1)) if match else int(getattr(model, 'embed_dim', 0))
+    parts = ModelName.parse(name)
+    return parts.key_dim if parts and parts.key_dim else int(getattr(model, 'embed_dim', 0))
 
 
 def state_dict_sha256(state_dict: Dict[str, torch.Tensor]) -> str:
@@ -367,19 +367,10 @@ def format_summary(s: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Console entry: ``train.py -c CONFIG [--key value ...]``. Config, data and weights errors are one line, exit 2;
-    a run stopped by a non-finite loss or a failed write (a full disk) is one line, exit 1; Ctrl-C one line, exit 130."""
-    try:
-        cfg = parse_train_args(sys.argv[1:] if argv is None else argv)
-        train(cfg)
-    except (ConfigError, DataError, WeightsError) as e:
-        print(f'error: {one_line(e)}', file=sys.stderr)
-        return 2
-    except (NonFiniteLossError, WriteError) as e:
-        print(f'error: {one_line(e)}', file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C: every write is atomic, so nothing is left half written
-        print('error: interrupted (SIGINT); the checkpoints written so far are whole: continue with --auto-resume',
-              file=sys.stderr)
-        return 130
-    return 0
+    """Console entry: ``train.py -c CONFIG [--key value ...]`` (``console.run_command``). Config, data and weights
+    errors are one line, exit 2; a run stopped by a non-finite loss or a failed write (a full disk) one line, exit 1;
+    SIGINT / SIGTERM outside the training loop one line, exit 130 / 143 (inside it SIGTERM is a stop request: a
+    checkpoint, exit 0)."""
+    return run_command(lambda: train(parse_train_args(sys.argv[1:] if argv is None else argv)), BAD_INPUT,
+                       (NonFiniteLossError, WriteError),
+                       after_signal='; the checkpoints written so far are whole: continue with --auto-resume')

@@ -1,0 +1,68 @@
+"""The console entry of the three commands (``collab-vit``, ``train.py``, ``eval.py``): one line on stderr, no
+traceback, and one exit code per cause.
+
+=================================================  ====
+cause                                              exit
+=================================================  ====
+bad input (the command's ``bad_input`` errors)      2
+a run that failed (``failures``: a failed write)    1
+SIGINT (Ctrl-C)                                     130
+SIGTERM                                             143
+=================================================  ====
+
+While the command runs, SIGTERM raises :class:`Terminated` in the main thread (as SIGINT raises
+``KeyboardInterrupt``); a command may answer it otherwise inside (``train.py``'s training loop turns it into a
+checkpointed stop and exits 0). Every output is written all or none (``weights_io``), so no signal leaves one half
+written.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+from .weights_io import one_line
+
+BAD_INPUT, FAILED, INTERRUPTED, TERMINATED = 2, 1, 130, 143
+Errors = tuple[type[BaseException], ...]
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as SIGINT raises KeyboardInterrupt (not an Exception: nothing swallows it)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def run_command(body: Callable[[], Any], bad_input: Errors, failures: Errors, name: Optional[str] = None,
+                after_signal: str = "") -> int:
+    """Run ``body``: 0 when it returns, else one line on stderr and the exit code of the cause (module docstring).
+
+    The line starts with ``name`` where the command gives one (``collab-vit convert: error: ...``, ``collab-vit
+    convert: interrupted (SIGINT)``), else with ``error:``; ``after_signal`` ends the line of a signal (what the
+    interrupted command left). ``failures`` are looked at before ``bad_input``.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    named, lead = (f"{name}: ", f"{name}: ") if name else ("", "error: ")
+    try:
+        body()
+    except failures as error:
+        return _fail(FAILED, f"{named}error: {one_line(error)}")
+    except bad_input as error:
+        return _fail(BAD_INPUT, f"{named}error: {one_line(error)}")
+    except KeyboardInterrupt:
+        return _fail(INTERRUPTED, f"{lead}interrupted (SIGINT){after_signal}")
+    except Terminated:
+        return _fail(TERMINATED, f"{lead}terminated (SIGTERM){after_signal}")
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+    return 0
+
+
+def _fail(code: int, line: str) -> int:
+    print(line, file=sys.stderr, flush=True)
+    return code
