@@ -22,7 +22,7 @@ import torch
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, WriteError, atomic_write, model_pipeline, one_line, read_weights
 from .build import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
-from .config import ConfigError, DataError, Parser, parse_key_value_pairs
+from .config import WORKERS_HELP, ConfigError, DataError, Parser, default_workers, parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .engine import autocast_context, evaluate
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="evaluate with the pipeline another checkpoint records (file or folder), e.g. a "
                            "fine-tuned model scored with its conversion's (= its source's) pipeline")
     data.add_argument('-b', '--batch-size', type=int, default=128)
-    data.add_argument('-j', '--workers', type=int, default=4, help='data-loader worker processes')
+    data.add_argument('-j', '--workers', type=int, default=default_workers(4),
+                      help=f'data-loader worker processes (default: %(default)s: {WORKERS_HELP.format(most=4)})')
     run = p.add_argument_group('run')
     run.add_argument('--device', default='', help="'' = cuda when available, else cpu")
     run.add_argument('--amp', action='store_true', help='bfloat16 autocast on GPU')
