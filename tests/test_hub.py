@@ -298,6 +298,7 @@ def test_convert_of_a_checkpoint_records_its_provenance_and_no_tag(tmp_path: Pat
     source, "checkpoint mine.pth" and the pipeline of timm's cfg, never the tag of timm's weights (nor their
     license); a convert of one of this package's exports records the pipeline as the checkpoint's record."""
     from collab_vit.cli import main as cli_main
+    from collab_vit.conversion.files import weights_origin
     from collab_vit.weights_io import export_safetensors
 
     kwargs = dict(TINY, **SMALL)
@@ -313,6 +314,7 @@ def test_convert_of_a_checkpoint_records_its_provenance_and_no_tag(tmp_path: Pat
                       "weights": "checkpoint mine.pth",
                       "data_config": "timm's cfg for vit_small_patch16_224.augreg_in21k_ft_in1k"}
     assert key_dims(reloaded(tmp_path / "m")) == {"blocks.0.attn": 8, "blocks.1.attn": 8}
+    assert weights_origin(source, None) == "vit_small_patch16_224.augreg_in21k_ft_in1k"  # what a download records
     pipeline = dict(input_size=[3, 32, 32], crop_pct=1.0, interpolation="bilinear", mean=[0.5] * 3, std=[0.25] * 3)
     export_safetensors(source.state_dict(), str(tmp_path / "run.safetensors"), "vit_small_patch16_224", kwargs,
                        {"data_config": pipeline})
