@@ -106,3 +106,31 @@ def test_readme_figures_from_results_are_in_results() -> None:
     items = [item for item in re.split(r"\n\s*\n|\n(?=\* )", text) if "RESULTS.md" in item] + [section]
     quoted = {n for item in items for n in re.findall(r"(?<![\w.=])\d+\.\d+(?![\w.])", item)}
     assert len(quoted) >= 10 and sorted(n for n in quoted if n not in results) == []
+
+
+def test_post_hoc_refusals_are_what_convert_prints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """docs/post_hoc.md's "Which models convert": each ``$ collab-vit convert ...`` prints the line shown under it
+    (the quickstart's export stood in for by one of its architecture: the refusal reads no weights); exit 2, no
+    output written."""
+    import shlex
+
+    import timm
+
+    from collab_vit.cli import main as cli_main
+    from collab_vit.training.config import build_config
+    from collab_vit.weights_io import export_safetensors
+
+    cfg = build_config(str(ROOT / "configs" / "quickstart.yaml"))
+    kwargs = {**cfg.model_kwargs, "num_classes": cfg.num_classes, "img_size": cfg.img_size}
+    export = tmp_path / "model.safetensors"
+    export_safetensors(timm.create_model(cfg.model, **kwargs).state_dict(), str(export), cfg.model, kwargs, {})
+    section = (ROOT / "docs" / "post_hoc.md").read_text().partition("## Which models convert")[2].partition("\n## ")[0]
+    shown = re.findall(r"^\$ collab-vit (.*)\n(collab-vit convert: error: .*)$", section, re.M)
+    assert len(shown) == 3
+    for command, line in shown:
+        args = [str(export) if "quickstart-" in a else str(tmp_path / a) if a in ("r", "q", "k24.safetensors")
+                else a for a in shlex.split(command)]
+        with pytest.raises(SystemExit) as exit:
+            cli_main(args)
+        assert exit.value.code == 2 and capsys.readouterr().err.strip() == line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
