@@ -21,6 +21,9 @@ from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
 from .weights_io import WriteError, one_line
 
 
+TIMM_DEITS = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS]  # timm's DeiT baselines
+
+
 @dataclass
 class ModelRow:
     name: str
@@ -39,7 +42,7 @@ def model_row(name: str) -> ModelRow:
 
 def model_table() -> list[ModelRow]:
     """timm's DeiT baselines, then every registered collaborative and concatenate model."""
-    names = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS] + COLLAB_MODELS + CONCAT_MODELS
+    names = TIMM_DEITS + COLLAB_MODELS + CONCAT_MODELS
     return [model_row(name) for name in names]
 
 
@@ -188,9 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("models", help="print the table of registered models").set_defaults(run=_models)
     demo = commands.add_parser("demo", help="model table + exact full-rank conversion of timm DeiTs")
-    demo.add_argument("--models", nargs="+", default=["deit_tiny_patch16_224", "deit_small_patch16_224",
-                                                      "deit_base_patch16_224"], metavar="NAME",
-                      help="timm models to convert at full rank (default: %(default)s)")
+    demo.add_argument("--models", nargs="+", default=TIMM_DEITS, metavar="NAME",
+                      help=f"timm models to convert at full rank (default: {' '.join(TIMM_DEITS)})")
     demo.set_defaults(run=_demo)
 
     convert = commands.add_parser(
