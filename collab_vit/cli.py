@@ -120,7 +120,7 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
                       help="dataset root; images come from its training split (an image folder without a train/ "
                            "subfolder is used as it is; default: none, weights only)")
     data.add_argument("--calibration-dataset", default="",
-                      help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, ...)")
+                      help="timm dataset name: torch/fashion_mnist, ... (default: '', ImageFolder)")
     data.add_argument("--calibration-images", type=int, default=256,
                       help="images drawn at random (--seed) from it (default: 256)")
     return data
@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("models", help="print the table of registered models").set_defaults(run=_models)
     demo = commands.add_parser("demo", help="model table + exact full-rank conversion of timm DeiTs")
-    demo.add_argument("--models", nargs="+", default=["deit_tiny_patch16_224", "deit_small_patch16_224",
-                                                      "deit_base_patch16_224"])
+    demo.add_argument("--models", nargs="+", default=DEIT_MODELS, metavar="NAME",
+                      help=f"timm models to convert at full rank (default: {' '.join(DEIT_MODELS)})")
     demo.set_defaults(run=_demo)
 
     convert = commands.add_parser(
@@ -202,14 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors) for --model; default: timm's "
                          "pretrained weights")
     convert.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
-                         help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10")
+                         help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10 "
+                         "(default: none, the name's or the checkpoint's)")
     convert.add_argument("--key-dim", required=True, help="int (every layer), comma list (per layer), budget=F "
                          "(F of the source's q/k parameters, spread over the layers) or an energy threshold (0.95)")
     convert.add_argument("--method", choices=list(METHODS), default="tucker",
-                         help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense)")
+                         help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense; "
+                         "default: %(default)s)")
     convert.add_argument("--out", type=Path, required=True,
                          help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json")
-    convert.add_argument("--seed", type=int, default=0, help="decompositions, refinement, calibration draw")
+    convert.add_argument("--seed", type=int, default=0,
+                         help="seed of the decompositions, refinement and calibration draw (default: %(default)s)")
     convert.add_argument("--device", default="cpu", help="forward passes and refinement, e.g. cuda (default: cpu)")
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", choices=list(EFFORTS), default="default",
@@ -220,14 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")
     analyze.add_argument("--model", help="timm model name (default: read from the checkpoint)")
     analyze.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
-    analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"))
-    analyze.add_argument("--threshold", type=float, default=0.95)
-    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw")
+    analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"),
+                         help="PNG of the spectra, one curve per layer (default: %(default)s)")
+    analyze.add_argument("--threshold", type=float, default=0.95,
+                         help="energy fraction every layer keeps in the suggested key dim (default: %(default)s)")
+    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw (default: "
+                         "%(default)s)")
     add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)
 
     prepare = commands.add_parser("prepare-data", help="put an offline copy of a dataset where timm's reader finds it")
-    prepare.add_argument("dataset", choices=["fashion_mnist"])
+    prepare.add_argument("dataset", choices=["fashion_mnist"], help="the dataset (fashion_mnist)")
     prepare.add_argument("--root", default="data", help="data_dir of the configs (default: data)")
     prepare.add_argument("--source", help="folder with the four IDX files (default: Debian's dataset-fashion-mnist)")
     prepare.set_defaults(run=_prepare_data)

@@ -14,6 +14,12 @@ converted timm DeiT as ``collab_deit_{size}_patch16_224``). The source is ``sour
 arguments ``timm.create_model`` noted on it. A model built by one of this package's entry points (``collab_deit_*``,
 ``concat_deit_*``, ``collab_vit_generic``, ``collab_vit_converted``) is recorded under its own name. Before anything
 is written the model is rebuilt from the record and must give bit-identical outputs on a probe input, else one line.
+
+Provenance (:func:`provenance`): ``config.json`` has a top-level ``provenance`` key (timm ignores keys it does not
+know) with the source's timm name and arguments, where the weights came from (``weights=``: timm's pretrained tag
+``name.tag``, ``"checkpoint FILE"``, ...; "not stated" when the caller does not say) and where the evaluation pipeline
+came from. timm's cfg of an architecture carries the tag of timm's weights for it (with their license and paper)
+whether those weights were loaded or not: the folder keeps those entries only when ``weights`` names that tag.
 """
 from __future__ import annotations
 
@@ -28,15 +34,19 @@ from timm.models import get_model_args, push_to_hf_hub as timm_push_to_hf_hub
 from timm.models._hub import save_config_for_hf
 
 from .conversion.forms import is_beit_attention, is_eva_attention
-from .conversion.record import CONVERTED_MODEL, LAYERS, converted_record, layer_record, rebuild_problem
+from .conversion.record import CONVERTED_MODEL, LAYERS, SOURCE, converted_record, layer_record, rebuild_problem
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import OWN_MODELS
-from .weights_io import (EVAL_KEYS, HUB_CONFIG, HUB_OUTPUT, HUB_WEIGHTS, check_output_folder, safetensors_writer,
-                         write_file, write_folder)
+from .weights_io import (EVAL_KEYS, HUB_CONFIG, HUB_OUTPUT, HUB_WEIGHTS, check_output_folder, model_pipeline,
+                         safetensors_writer, write_file, write_folder)
 
 Source = tuple[str, dict[str, Any]]  # a timm model name and the keyword arguments it was created with
 TRAITS = ("img_size", "in_chans", "num_classes", "global_pool")  # what timm's save_for_hf adds from the model
 ON_LOAD = ("conversion_method", "conversion_options")  # how standard weights were converted on load: not recorded
+WEIGHT_CLAIMS = ("tag", "license", "description", "origin_url", "paper_name", "paper_ids", "notes", "label_names",
+                 "label_descriptions")  # what a pretrained_cfg says of timm's weights for its tag
+NOT_STATED = "not stated"
+CHECKPOINT = "checkpoint "  # weights="checkpoint FILE": read from FILE
 
 
 def _key_dim_arg(key_dims: list[int]) -> Any:
@@ -72,9 +82,10 @@ def _check_collaborative(model: nn.Module) -> None:
                          f"{where}")
 
 
-def model_record(model: nn.Module, source: Optional[Source] = None) -> tuple[str, dict[str, Any]]:
+def model_record(model: nn.Module, source: Optional[Source] = None) -> tuple[str, dict[str, Any], Source]:
     """The registered entry point and keyword arguments that rebuild ``model`` (module docstring), checked: the
-    model rebuilt from them gives bit-identical outputs, else a one-line ``ValueError``."""
+    model rebuilt from them gives bit-identical outputs, else a one-line ``ValueError``; and the source's timm name
+    and arguments (the record itself for a model of this package's entry points)."""
     _check_collaborative(model)
     own = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
     name, kwargs = source if source is not None else (own, None)
@@ -82,35 +93,71 @@ def model_record(model: nn.Module, source: Optional[Source] = None) -> tuple[str
         raise ValueError("save_pretrained: the model does not say which timm model it was converted from (no "
                          "pretrained_cfg architecture); pass source=(timm name, kwargs)")
     args = _source_args(model, kwargs)
+    origin: Source = (name, dict(args))
     if name == CONVERTED_MODEL:
+        origin = (args.get(SOURCE, name), {k: v for k, v in args.items() if k not in (SOURCE, LAYERS)})
         args[LAYERS] = layer_record(model)
     elif name in OWN_MODELS:
         args["key_dim"] = _key_dim_arg([m.key_dim for m in model.modules()
                                        if isinstance(m, (CollaborativeAttention, ConcatAttention))])
+        origin = (name, dict(args))
     else:
         name, args = converted_record(model, name, args)
     why = rebuild_problem(model, name, args)
     if why is not None:
         hint = "" if source is not None else "; pass source=(timm name, kwargs) to save_pretrained"
         raise ValueError(f"save_pretrained cannot rebuild this {type(model).__name__}: {why}{hint}")
-    return name, args
+    return name, args, origin
+
+
+def timm_weights(cfg: dict[str, Any]) -> set[str]:
+    """The names timm gives the weights a ``pretrained_cfg`` describes: ``architecture.tag`` and its hub id's
+    (e.g. a ``collab_deit_*`` cfg describes timm's ``deit_*.fb_in1k``); none without a tag."""
+    if not cfg.get("tag"):
+        return set()
+    hub_id = cfg.get("hf_hub_id") or ""
+    return {f"{cfg.get('architecture')}.{cfg['tag']}"} | ({hub_id.rpartition("/")[2]} if hub_id else set())
+
+
+def provenance(model: nn.Module, origin: Source, weights: Optional[str], data_config: Optional[dict[str, Any]]
+               ) -> dict[str, Any]:
+    """The ``provenance`` entry of ``config.json`` (module docstring): the source's timm name and arguments, where
+    the weights came from and where the pipeline did (``data_config`` where it is not the model's own)."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    own = model_pipeline(model)
+    given = {k: list(v) if isinstance(v, tuple) else v for k, v in (data_config or {}).items() if k in EVAL_KEYS}
+    if given and {**own, **given} != own:
+        pipeline = ("the checkpoint's record" if (weights or "").startswith(CHECKPOINT)
+                    else "data_config given to save_pretrained")
+    elif cfg.get("source") in ("local-dir", "hf-hub"):
+        pipeline = f"the {cfg['source']} record the model was loaded from"
+    elif cfg.get("tag"):
+        pipeline = f"timm's cfg for {cfg.get('architecture')}.{cfg['tag']}"
+    else:
+        pipeline = "the model's pretrained_cfg"
+    return {"source_model": origin[0], "source_args": origin[1], "weights": weights or NOT_STATED,
+            "data_config": pipeline}
 
 
 @contextmanager
-def _described(model: nn.Module, data_config: Optional[dict[str, Any]], source: Optional[Source]
-               ) -> Iterator[dict[str, Any]]:
+def _described(model: nn.Module, data_config: Optional[dict[str, Any]], source: Optional[Source],
+               weights: Optional[str]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """``model_record`` (else a one-line ValueError), then, for the block, give ``model`` the ``pretrained_cfg``
-    timm's ``save_for_hf`` records (architecture ours, the pipeline its source's or ``data_config``'s) and no
-    factory arguments but the record's; yields the ``model_args``."""
-    name, args = model_record(model, source)
+    timm's ``save_for_hf`` records (architecture ours, the pipeline its source's or ``data_config``'s, the claims
+    about timm's weights only where ``weights`` names them) and no factory arguments but the record's; yields the
+    ``model_args`` and the top-level ``config.json`` keys (``provenance``)."""
+    name, args, origin = model_record(model, source)
     cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    extra = {"provenance": provenance(model, origin, weights, data_config)}
+    if weights not in timm_weights(cfg):
+        cfg = {k: v for k, v in cfg.items() if k not in WEIGHT_CLAIMS}
     cfg.update({k: tuple(v) if isinstance(v, list) else v for k, v in (data_config or {}).items() if k in EVAL_KEYS})
     cfg.update(architecture=name, num_classes=model.num_classes)
     cfg.setdefault("input_size", (model.patch_embed.proj.in_channels, *model.patch_embed.img_size))
     saved = {k: getattr(model, k) for k in ("pretrained_cfg", "_model_args") if k in model.__dict__}
     try:
         model.pretrained_cfg, model._model_args = cfg, {}  # what timm reads: ours only, not the source's kwargs
-        yield args
+        yield args, extra
     finally:
         for key in ("pretrained_cfg", "_model_args"):
             if key in saved:
@@ -120,22 +167,27 @@ def _described(model: nn.Module, data_config: Optional[dict[str, Any]], source: 
 
 
 def save_pretrained(model: nn.Module, directory: str, data_config: Optional[dict[str, Any]] = None,
-                    source: Optional[Source] = None, files: Optional[dict[str, str]] = None) -> str:
+                    source: Optional[Source] = None, files: Optional[dict[str, str]] = None,
+                    weights: Optional[str] = None) -> str:
     """Write ``model`` to ``directory`` in timm's hub layout (module docstring); returns the architecture name.
 
     ``data_config`` (keys of timm's data config: ``input_size``, ``crop_pct``, ``crop_mode``, ``interpolation``,
     ``mean``, ``std``) replaces those of the model's ``pretrained_cfg`` (its source's evaluation). ``source``: the
     timm name and keyword arguments the converted model was created with (default: the model's own record). ``files``
-    (name -> text) are written beside the weights (``collab-vit convert``'s ``conversion.json``). A model its record
+    (name -> text) are written beside the weights (``collab-vit convert``'s ``conversion.json``). ``weights``: where
+    the weights came from, recorded in ``config.json``'s ``provenance``: timm's pretrained tag (``"name.tag"``, as
+    ``timm.create_model(..., pretrained=True)`` loaded them; the folder then keeps that tag of the model's
+    ``pretrained_cfg``, else it records none), ``"checkpoint FILE"`` (a ``data_config`` given with it is recorded as
+    that checkpoint's record) or any text; default "not stated". A model its record
     cannot rebuild is a one-line ``ValueError`` and nothing is written. The folder is written all or none
     (``weights_io.write_folder``: staged beside it, then renamed; a full disk is a one-line ``WriteError``); an
     existing folder may hold only an earlier output (``HUB_OUTPUT``), which is replaced, never other files.
     """
     check_output_folder(directory, HUB_OUTPUT)
-    with _described(model, data_config, source) as args:
+    with _described(model, data_config, source, weights) as (args, extra):
         def fill(staging: str) -> None:  # what timm's save_for_hf writes, through weights_io's writers
             write_file(os.path.join(staging, HUB_WEIGHTS), safetensors_writer(model.state_dict()))
-            save_config_for_hf(model, os.path.join(staging, HUB_CONFIG), model_args=args)
+            save_config_for_hf(model, os.path.join(staging, HUB_CONFIG), model_config=extra, model_args=args)
             for name, text in (files or {}).items():
                 write_file(os.path.join(staging, name), lambda f, t=text: f.write(t.encode()))
 
@@ -144,10 +196,10 @@ def save_pretrained(model: nn.Module, directory: str, data_config: Optional[dict
 
 
 def push_to_hf_hub(model: nn.Module, repo_id: str, data_config: Optional[dict[str, Any]] = None,
-                   source: Optional[Source] = None, **kwargs: Any) -> Any:
+                   source: Optional[Source] = None, weights: Optional[str] = None, **kwargs: Any) -> Any:
     """timm's ``push_to_hf_hub`` of the files ``save_pretrained`` writes (same check, same ``config.json``, only
     ``model.safetensors`` unless ``safe_serialization`` says otherwise); ``kwargs`` go to timm's function
     (``token``, ``private``, ``commit_message``, ``model_card``, ...)."""
-    with _described(model, data_config, source) as args:
+    with _described(model, data_config, source, weights) as (args, extra):
         kwargs.setdefault("safe_serialization", True)
-        return timm_push_to_hf_hub(model, repo_id, model_args=args, **kwargs)
+        return timm_push_to_hf_hub(model, repo_id, model_config=extra, model_args=args, **kwargs)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up (or reuse) .venv with the package and its test extras, install the local Slurm test cluster's Debian
-# packages when possible (root + apt-get; otherwise the Slurm tests say they skip and why), run the whole suite.
+# Set up (or reuse) .venv with the package and its test extras (the .venv scripts/quickstart.sh uses too; installs
+# only what changed: scripts/venv.sh), install the local Slurm test cluster's Debian packages when possible (root +
+# apt-get; otherwise the Slurm tests say they skip and why), run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# shellcheck source=scripts/venv.sh
+source scripts/venv.sh
+venv_install test
 bash tests/slurm/cluster.sh install || echo "note: Slurm could not be installed here; tests/test_slurm.py will skip"
 exec .venv/bin/python -m pytest "$@"

@@ -315,3 +315,57 @@ def test_model_name_local_dir_builds_the_folders_architecture(tmp_path: Path) ->
     assert_same_outputs(model, fresh)
     with pytest.raises(ConfigError, match="unknown model"):
         build_model("no/such/folder", 7)
+
+
+def pretrained_cfg_of(folder: Path) -> tuple[dict, dict]:
+    config = json.loads((folder / "config.json").read_text())
+    return config["pretrained_cfg"], config["provenance"]
+
+
+def test_convert_of_a_checkpoint_records_its_provenance_and_no_tag(tmp_path: Path) -> None:
+    """``collab-vit convert --checkpoint mine.pth`` (a timm architecture, the user's weights): the folder records the
+    source, "checkpoint mine.pth" and the pipeline of timm's cfg, never the tag of timm's weights (nor their
+    license); a convert of one of this package's exports records the pipeline as the checkpoint's record."""
+    from collab_vit.cli import main as cli_main
+    from collab_vit.conversion.files import weights_origin
+    from collab_vit.weights_io import export_safetensors
+
+    kwargs = dict(TINY, **SMALL)
+    source = perturbed(timm.create_model("vit_small_patch16_224", **kwargs))
+    torch.save(source.state_dict(), tmp_path / "mine.pth")
+    flags = ["--key-dim", "8", "--model-kwargs", *[f"{k}={v}" for k, v in kwargs.items()]]
+    assert cli_main(["convert", "--model", "vit_small_patch16_224", "--checkpoint", str(tmp_path / "mine.pth"),
+                     "--out", str(tmp_path / "m"), *flags]) == 0
+    cfg, record = pretrained_cfg_of(tmp_path / "m")
+    assert not {"tag", "license"} & cfg.keys() and cfg["mean"] == [0.5] * 3  # timm's pipeline for the architecture
+    assert record == {"source_model": "vit_small_patch16_224", "source_args": {**kwargs, "img_size": [32, 32],
+                                                                                "in_chans": 3, "global_pool": "token"},
+                      "weights": "checkpoint mine.pth",
+                      "data_config": "timm's cfg for vit_small_patch16_224.augreg_in21k_ft_in1k"}
+    assert key_dims(reloaded(tmp_path / "m")) == {"blocks.0.attn": 8, "blocks.1.attn": 8}
+    assert weights_origin(source, None) == "vit_small_patch16_224.augreg_in21k_ft_in1k"  # what a download records
+    pipeline = dict(input_size=[3, 32, 32], crop_pct=1.0, interpolation="bilinear", mean=[0.5] * 3, std=[0.25] * 3)
+    export_safetensors(source.state_dict(), str(tmp_path / "run.safetensors"), "vit_small_patch16_224", kwargs,
+                       {"data_config": pipeline})
+    assert cli_main(["convert", "--checkpoint", str(tmp_path / "run.safetensors"), "--out", str(tmp_path / "r"),
+                     "--key-dim", "8"]) == 0
+    cfg, record = pretrained_cfg_of(tmp_path / "r")
+    assert (record["weights"], record["data_config"]) == ("checkpoint run.safetensors", "the checkpoint's record")
+    assert "tag" not in cfg and cfg["crop_pct"] == 1.0 and cfg["std"] == [0.25] * 3
+
+
+def test_python_api_records_a_tag_only_for_timms_weights(tmp_path: Path) -> None:
+    """``save_pretrained`` without ``weights=``: "not stated" and no tag; ``weights`` naming the tag of the model's
+    cfg (timm's weights for it) keeps it; another name does not; the round trip stays bit-identical."""
+    model = converted("deit_tiny_patch16_224", key_dim=32, **SMALL)
+    for folder, weights in (("none", None), ("timm", "deit_tiny_patch16_224.fb_in1k"), ("other", "my run")):
+        collab_vit.save_pretrained(model, str(tmp_path / folder), **({"weights": weights} if weights else {}))
+        assert_same_outputs(model, reloaded(tmp_path / folder))
+    for folder, weights, tag in (("none", "not stated", None), ("timm", "deit_tiny_patch16_224.fb_in1k", "fb_in1k"),
+                                 ("other", "my run", None)):
+        cfg, record = pretrained_cfg_of(tmp_path / folder)
+        assert (record["weights"], cfg.get("tag"), cfg.get("license")) == (weights, tag, tag and "apache-2.0")
+        assert record["source_model"] == "deit_tiny_patch16_224" and record["source_args"]["embed_dim"] == 64
+        assert record["data_config"] == "timm's cfg for deit_tiny_patch16_224.fb_in1k"
+    collab_vit.save_pretrained(model, str(tmp_path / "given"), data_config=dict(crop_pct=0.5))
+    assert pretrained_cfg_of(tmp_path / "given")[1]["data_config"] == "data_config given to save_pretrained"

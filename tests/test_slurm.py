@@ -325,6 +325,6 @@ def test_shell_scripts_pass_shellcheck():
     if not shutil.which('shellcheck'):
         pytest.skip('shellcheck is not installed (Debian package shellcheck; `bash tests/slurm/cluster.sh install`)')
     scripts = [str(p.relative_to(ROOT)) for p in sorted(Path(ROOT, 'slurm').iterdir())] + [
-        'tests/slurm/cluster.sh', 'scripts/test.sh', 'scripts/quickstart.sh', '.ci/run']
+        'tests/slurm/cluster.sh', 'scripts/test.sh', 'scripts/quickstart.sh', 'scripts/venv.sh', '.ci/run']
     out = subprocess.run(['shellcheck', '-x', *scripts], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout

@@ -68,6 +68,15 @@ def _create(name: str, kwargs: dict[str, Any], **extra: Any) -> nn.Module:
         raise ValueError(f"model kwargs {kwargs} do not fit {name}: {error}") from None
 
 
+def weights_origin(model: nn.Module, checkpoint: Optional[str]) -> str:
+    """Where the source's weights came from, as a hub folder records it: ``"checkpoint FILE"`` (the file's name) for
+    ``--checkpoint``, else timm's pretrained tag (``name.tag``) :func:`load_source` downloaded."""
+    if checkpoint is not None:
+        return f"checkpoint {Path(checkpoint).name}"
+    cfg = model.pretrained_cfg
+    return f"{cfg['architecture']}.{cfg['tag']}" if cfg.get("tag") else str(cfg.get("hf_hub_id") or cfg["architecture"])
+
+
 def parse_key_dim(text: str) -> KeyDimSpec:
     """``384`` (all layers), ``384,384,256,...`` (one per layer), ``budget=0.25`` or ``0.95`` (energy threshold)."""
     if text.startswith(BUDGET_PREFIX):
@@ -151,8 +160,9 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
                     save_folder: Optional[Callable[..., Any]] = None, **options) -> list[LayerReport]:
     """Convert, then write ``out``: a ``.safetensors`` file (name, key dims and errors in its metadata) and a JSON
-    sidecar, written together, or, for a folder path, ``save_folder(model, out, data_config, source, files)``
-    (``collab_vit.save_pretrained``: timm's hub layout) with the report in ``out/conversion.json``.
+    sidecar, written together, or, for a folder path, ``save_folder(model, out, data_config, source, files,
+    weights=...)`` (``collab_vit.save_pretrained``: timm's hub layout; ``weights``: :func:`weights_origin`) with the
+    report in ``out/conversion.json``.
 
     Any timm model whose attention layers convert (``support.py``); the architecture is checked without weights
     before anything is downloaded or written. The file records the collaborative model as its source
@@ -185,7 +195,8 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     model.cpu()
     if kind == "folder":  # written all or none, with its report (weights_io.write_folder)
         text = json.dumps({"source_model": model_name, **info}, indent=2)
-        save_folder(model, str(out), data_config, (model_name, source_kwargs), {"conversion.json": text})
+        save_folder(model, str(out), data_config, (model_name, source_kwargs), {"conversion.json": text},
+                    weights=weights_origin(model, checkpoint))
         return reports
     args = {**source_kwargs, "num_classes": model.num_classes} if model.num_classes != 1000 else source_kwargs
     target, model_kwargs = converted_record(model, model_name, args)

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
@@ -34,11 +35,28 @@ class DataError(RuntimeError):
 BAD_INPUT = (ConfigError, DataError, WeightsError, FileNotFoundError)  # exit 2 of train.py and eval.py (console.py)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (``taskset``, Slurm, containers),
+    else every CPU of the machine."""
+    affinity = getattr(os, 'sched_getaffinity', None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def default_workers(most: int) -> int:
+    """The data-loader workers a CLI starts by default: ``most``, or fewer where this process may use fewer CPUs."""
+    return min(most, available_cpus())
+
+
+WORKERS_HELP = '{most} or the CPUs this process may use, whichever is fewer'  # a CLI's default -j, in its --help
+
+
 def setting(default: Any, help: str) -> Any:
     """A config key of :class:`TrainConfig`: its default and its line of ``--help`` (a dict default is a fresh ``{}``
-    per config)."""
+    per config; a callable default is called for each config)."""
     if isinstance(default, dict):
         return field(default_factory=dict, metadata={'help': help})
+    if callable(default):
+        return field(default_factory=default, metadata={'help': help})
     return field(default=default, metadata={'help': help})
 
 
@@ -66,7 +84,8 @@ class TrainConfig:
                                           "model's (ImageNet)")
     std: Tuple[float, ...] = setting((), 'per-channel normalisation std (one value or one per channel); empty = the '
                                          "model's (ImageNet)")
-    num_workers: int = setting(8, 'data-loader worker processes per training process')
+    num_workers: int = setting(partial(default_workers, 8), 'data-loader worker processes per training process; '
+                               'unset: ' + WORKERS_HELP.format(most=8))
     skip_bad_images: bool = setting(False, 'replace an unreadable or truncated image by the next one and count it '
                                            '(default: stop, naming the file)')
     pin_memory: bool = setting(True, 'pin host memory for faster GPU copies')

@@ -22,7 +22,7 @@ from ..layers.attention import CollaborativeAttention
 from ..console import run_command
 from ..weights_io import WriteError, atomic_write, model_pipeline, read_weights
 from .build import build_model, fit_state, is_standard_attention_state, source_weights_pipeline
-from .config import BAD_INPUT, ConfigError, Parser, parse_key_value_pairs
+from .config import BAD_INPUT, WORKERS_HELP, ConfigError, Parser, default_workers, parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
 from .engine import autocast_context, evaluate
@@ -39,15 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument('--model', default='', help='timm model name (default: read from the checkpoint)')
     model.add_argument('--checkpoint', '--initial-checkpoint', default='',
                        help='.pth (ours or timm/DeiT), .safetensors, or a folder written by collab_vit.save_pretrained '
-                            '(config.json + model.safetensors); none = random init')
+                            '(config.json + model.safetensors); default: none, random init')
     model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of a training checkpoint')
-    model.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE', help='e.g. key_dim=384')
+    model.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE', help='extra timm.create_model keywords, e.g. key_dim=384 (default: none, the '
+                            'checkpoint\'s)')
     model.add_argument('--num-classes', type=int, default=None, help='default: checkpoint metadata or head size')
     data = p.add_argument_group('data')
     data.add_argument('--data-dir', '--data', required=True,
                       help='dataset root (ImageFolder with a val/ split, or see --dataset)')
-    data.add_argument('--dataset', default='', help="timm dataset name ('' = ImageFolder; torch/fashion_mnist, "
-                                                     "wds/..., hfds/...)")
+    data.add_argument('--dataset', default='', help="timm dataset name: torch/fashion_mnist, wds/..., "
+                                                     "hfds/... (default: '', ImageFolder)")
     data.add_argument('--split', default='validation', help='split to evaluate (default: validation)')
     data.add_argument('--dataset-download', action='store_true', help='let torchvision / TFDS / HF readers download')
     data.add_argument('--img-size', type=int, default=None, help='default: checkpoint metadata or model default')
@@ -59,14 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument('--std', type=float, nargs='+', default=None, help='default: as recorded, else the model\'s')
     data.add_argument('--data-config-from', default='', metavar='CHECKPOINT',
                       help="evaluate with the pipeline another checkpoint records (file or folder), e.g. a "
-                           "fine-tuned model scored with its conversion's (= its source's) pipeline")
-    data.add_argument('-b', '--batch-size', type=int, default=128)
-    data.add_argument('-j', '--workers', type=int, default=4, help='data-loader worker processes')
+                           "fine-tuned model scored with its conversion's (= its source's) pipeline (default: none, "
+                           "this checkpoint's)")
+    data.add_argument('-b', '--batch-size', type=int, default=128, help='images per batch (default: %(default)s)')
+    data.add_argument('-j', '--workers', type=int, default=default_workers(4),
+                      help=f'data-loader worker processes (default: %(default)s: {WORKERS_HELP.format(most=4)})')
     run = p.add_argument_group('run')
-    run.add_argument('--device', default='', help="'' = cuda when available, else cpu")
+    run.add_argument('--device', default='', help="e.g. cuda:1 (default: '', cuda when available, else cpu)")
     run.add_argument('--amp', action='store_true', help='bfloat16 autocast on GPU')
-    run.add_argument('--cpu-threads', type=int, default=0)
-    run.add_argument('--output', '--results-file', default='', help='write the results here as JSON')
+    run.add_argument('--cpu-threads', type=int, default=0,
+                     help="torch intra-op threads; 0 = torch's default (default: %(default)s)")
+    run.add_argument('--output', '--results-file', default='', help='write the results here as JSON (default: none, '
+                                                                  'printed only)')
     return p
 
 
