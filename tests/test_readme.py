@@ -126,7 +126,7 @@ def test_post_hoc_refusals_are_what_convert_prints(tmp_path: Path, capsys: pytes
     export_safetensors(timm.create_model(cfg.model, **kwargs).state_dict(), str(export), cfg.model, kwargs, {})
     section = (ROOT / "docs" / "post_hoc.md").read_text().partition("## Which models convert")[2].partition("\n## ")[0]
     shown = re.findall(r"^\$ collab-vit (.*)\n(collab-vit convert: error: .*)$", section, re.M)
-    assert len(shown) == 3
+    assert len(shown) == 4
     for command, line in shown:
         args = [str(export) if "quickstart-" in a else str(tmp_path / a) if a in ("r", "q", "k24.safetensors")
                 else a for a in shlex.split(command)]
