@@ -120,6 +120,11 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"{summary['measured_on']}:"]
     lines += [f"  {name}: {kl:.4g}" + ("  <- kept" if name == summary["chosen"] else "")
               for name, kl in summary["candidates"].items()]
+    guard = summary.get("guard")
+    if guard:
+        verdict = "kept" if guard["kept"] else "not resolved: weight-only kept"
+        lines.append(f"guard: {guard['candidate']} gains {guard['gain']:.4g} per held-out image over weight-only "
+                     f"({guard['confidence']:.0%} interval [{guard['low']:.4g}, {guard['high']:.4g}]): {verdict}")
     gain = summary.get("gain_over_weight_only")
     if gain is not None:
         lines.append(f"kept {summary['chosen']}: held-out KL {summary['held_out_kl']:.4g}, weight-only "

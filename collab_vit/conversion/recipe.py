@@ -5,8 +5,9 @@ same label-free way the refinement trains: the mean ``KL(softmax(source outputs)
 the held-out images (logits, or features for a model without a head). Candidates (RESULTS.md (b): each wins
 somewhere): the weight-only fit; the whitened closed form with the class token weighted by the ``"balanced"`` rule
 (docs/math.md, "Query weights"); and, by ``effort``, the refinement (``refine.refine_logits``) of the better of the
-two or of both. The weight-only fit is always measured and kept unless another candidate is strictly better, so the
-result is never worse than weight-only on the held-out images.
+two or of both. The weight-only fit is always measured and kept unless another candidate is better beyond what the
+held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image gain), so the result is never
+worse than weight-only on the held-out images, and is another candidate only where its win there is resolved.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitened_spectrum, wh
 from .decompose import energy_spectrum, relative_error
 from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
-from .refine import mean_kl, refine_logits
+from .guard import Verdict, held_out_split, judge
+from .refine import per_image_kl, refine_logits
 
 # effort: refinement passes over the fitting images (steps = passes x images / batch), and which starts are refined.
 # 80 passes: 280 steps for 224 fitting images at batch 64 (the step counts measured against it: RESULTS.md (b)).
@@ -54,7 +56,8 @@ class Recipe:
     refine_lr: float = 1e-3
     batch_size: int = 64
     amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
-    holdout: Optional[int] = None  # held-out images; None: an eighth, 1 to 32
+    holdout: Optional[int] = None  # held-out images; None: an eighth, 1 to 32 (drawn by the seed: guard.py)
+    confidence: float = 0.95  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
     decomposition: dict = field(default_factory=dict)  # max_iter, tol, dtype
@@ -114,6 +117,7 @@ class Candidate:
     fits: list[LayerFit]
     held_kl: float = math.nan
     refine: Optional[dict] = None
+    held: Optional[Tensor] = None  # the per-image held-out KL
 
 
 def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyDimSpec, method: str, images: Tensor,
@@ -123,6 +127,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     spectra, ``start_dims``); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for
     the report's output errors) and a summary (key dims, candidates, held-out KL, which won, by how much)."""
     fit = split(images.shape[0], recipe.holdout)
+    images = images[held_out_split(images.shape[0], seed)]  # which images are held out: by the seed
     held_images = images[fit:] if fit < images.shape[0] else images
     start = time.perf_counter()
     device_type = next(model.parameters()).device.type
@@ -150,7 +155,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
 
     def measure(candidate: Candidate) -> Candidate:
         install(candidate.fits)
-        candidate.held_kl = mean_kl(model, held_images, held_target, recipe.batch_size)
+        candidate.held = per_image_kl(model, held_images, held_target, recipe.batch_size)
+        candidate.held_kl = float(candidate.held.mean())
         return candidate
 
     bar = tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}", disable=not progress)
@@ -183,10 +189,13 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
                 "kl_before": result.kl_before, "kl_after": result.kl_after, "kept_start": result.kept_start}))
     pool = [found[c] for c in pinned] if pinned is not None else list(found.values())
     best = min(pool, key=lambda c: c.held_kl)  # weight-only first: another candidate wins only if strictly better
+    reference = found.get("weight")
+    verdict = guarded(best, reference, recipe.confidence, seed)
+    if verdict is not None and not verdict.kept:
+        best = reference
     install(best.fits)
     for original in originals:
         original.eval()
-    reference = found.get("weight")
     summary = {
         "images_fit": fit, "images_held_out": images.shape[0] - fit,
         "measured_on": "held-out calibration images" if fit < images.shape[0] else "the fitting images (one image)",
@@ -199,6 +208,16 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
         "weight_only_kl": None if reference is None else reference.held_kl,
         "gain_over_weight_only": None if reference is None else reference.held_kl - best.held_kl,
     }
+    if verdict is not None:
+        summary["guard"] = verdict.as_dict()
     if best.refine is not None:
         summary["refine"] = best.refine
     return best.fits, held, summary
+
+
+def guarded(best: Candidate, reference: Optional[Candidate], confidence: float, seed: int) -> Optional[Verdict]:
+    """The guard's verdict on the best candidate against the weight-only fit (``guard.judge``); None where there is
+    nothing to judge (the best is the weight-only fit, or it was not a candidate)."""
+    if reference is None or best is reference:
+        return None
+    return judge(best.name, reference.held, best.held, confidence, seed)

@@ -90,15 +90,21 @@ class _Trainable:
 
 
 @torch.no_grad()
-def mean_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -> float:
-    """``KL(source || model)`` averaged over ``images`` (``target``: the source's log-probabilities)."""
+def per_image_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -> Tensor:
+    """``KL(source || model)`` of each image (``target``: the source's log-probabilities), float64 on the CPU."""
     device = next(model.parameters()).device
-    total = 0.0
+    parts = []
     for start in range(0, images.shape[0], batch_size):
         logits = model(images[start:start + batch_size].to(device))
-        total += float(F.kl_div(F.log_softmax(logits.float(), dim=-1), target[start:start + batch_size].to(device),
-                                log_target=True, reduction="sum"))
-    return total / images.shape[0]
+        kl = F.kl_div(F.log_softmax(logits.float(), dim=-1), target[start:start + batch_size].to(device),
+                      log_target=True, reduction="none")
+        parts.append(kl.flatten(1).sum(1).detach().double().cpu())
+    return torch.cat(parts)
+
+
+def mean_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -> float:
+    """``KL(source || model)`` averaged over ``images`` (``target``: the source's log-probabilities)."""
+    return float(per_image_kl(model, images, target, batch_size).mean())
 
 
 def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images: Tensor, targets: Tensor,
