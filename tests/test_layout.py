@@ -1,9 +1,9 @@
-"""The package's layers import one way only: layers <- weights_io <- conversion <- models <- hub <- training <- cli."""
+"""The package's layers import one way only: layers <- weights_io <- conversion <- models (models_rope) <- hub <- training <- cli."""
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
-RANK = {'_version': -1, 'layers': 0, 'weights_io': 1, 'conversion': 2, 'models': 3, 'hub': 3.5, 'training': 4, 'cli': 5,
+RANK = {'_version': -1, 'layers': 0, 'weights_io': 1, 'conversion': 2, 'models': 3, 'models_rope': 3, 'hub': 3.5, 'training': 4, 'cli': 5,
         '__init__': 6}
 
 
