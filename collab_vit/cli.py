@@ -18,6 +18,7 @@ from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_ARCHS, query_key_params
+from .models_rope import ROPE_MODELS, ROPE_SIZES, ROPE_VARIANTS
 from .weights_io import WriteError, one_line
 
 
@@ -38,8 +39,10 @@ def model_row(name: str) -> ModelRow:
 
 
 def model_table() -> list[ModelRow]:
-    """timm's DeiT baselines, then every registered collaborative and concatenate model."""
-    names = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS] + COLLAB_MODELS + CONCAT_MODELS
+    """timm's DeiT baselines, every registered collaborative and concatenate DeiT, timm's RoPE-ViT baselines, then
+    the collaborative rotary ViTs."""
+    rope = [f"vit_{size}_patch16_{variant}_224" for size in ROPE_SIZES for variant in ROPE_VARIANTS]
+    names = [f"deit_{size}_patch16_224" for size in DEIT_ARCHS] + COLLAB_MODELS + CONCAT_MODELS + rope + ROPE_MODELS
     return [model_row(name) for name in names]
 
 
