@@ -18,6 +18,7 @@ from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
+from .models_rope import ROPE_MODELS, ROPE_SIZES, ROPE_VARIANTS
 from .weights_io import WriteError
 
 
@@ -38,8 +39,10 @@ def model_row(name: str) -> ModelRow:
 
 
 def model_table() -> list[ModelRow]:
-    """timm's DeiT baselines, then every registered collaborative and concatenate model."""
-    names = DEIT_MODELS + COLLAB_MODELS + CONCAT_MODELS
+    """timm's DeiT baselines, every registered collaborative and concatenate DeiT, timm's RoPE-ViT baselines, then
+    the collaborative rotary ViTs."""
+    rope = [f"vit_{size}_patch16_{variant}_224" for size in ROPE_SIZES for variant in ROPE_VARIANTS]
+    names = DEIT_MODELS + COLLAB_MODELS + CONCAT_MODELS + rope + ROPE_MODELS
     return [model_row(name) for name in names]
 
 

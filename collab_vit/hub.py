@@ -12,7 +12,7 @@ What is recorded (:func:`model_record`): a model converted from a timm model, as
 converted timm DeiT as ``collab_deit_{size}_patch16_224``). The source is ``source=(timm name, kwargs)`` where given
 (``collab-vit convert`` gives it), else the model's own record: the architecture of its ``pretrained_cfg`` and the
 arguments ``timm.create_model`` noted on it. A model built by one of this package's entry points (``collab_deit_*``,
-``concat_deit_*``, ``collab_vit_generic``, ``collab_vit_converted``) is recorded under its own name. Before anything
+``concat_deit_*``, ``collab_vit_*_rope*``, ``collab_vit_generic``, ``collab_vit_converted``) is recorded under its own name. Before anything
 is written the model is rebuilt from the record and must give bit-identical outputs on a probe input, else one line.
 
 Provenance (:func:`provenance`): ``config.json`` has a top-level ``provenance`` key (timm ignores keys it does not
@@ -37,6 +37,7 @@ from .conversion.forms import is_beit_attention, is_eva_attention
 from .conversion.record import CONVERTED_MODEL, LAYERS, SOURCE, converted_record, layer_record, rebuild_problem
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import OWN_MODELS
+from .models_rope import ROPE_MODELS
 from .weights_io import (EVAL_KEYS, HUB_CONFIG, HUB_OUTPUT, HUB_WEIGHTS, check_output_folder, model_pipeline,
                          safetensors_writer, write_file, write_folder)
 
@@ -97,7 +98,7 @@ def model_record(model: nn.Module, source: Optional[Source] = None) -> tuple[str
     if name == CONVERTED_MODEL:
         origin = (args.get(SOURCE, name), {k: v for k, v in args.items() if k not in (SOURCE, LAYERS)})
         args[LAYERS] = layer_record(model)
-    elif name in OWN_MODELS:
+    elif name in OWN_MODELS or name in ROPE_MODELS:
         args["key_dim"] = _key_dim_arg([m.key_dim for m in model.modules()
                                        if isinstance(m, (CollaborativeAttention, ConcatAttention))])
         origin = (name, dict(args))

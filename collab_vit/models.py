@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence, Type, Union
 import timm
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Attention, GluMlp, Mlp, SwiGLU, get_norm_layer
+from timm.layers import Attention, AttentionRope, GluMlp, Mlp, SwiGLU, get_norm_layer
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 
 from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
@@ -156,7 +156,7 @@ def query_key_params(layer: nn.Module) -> int:
         return sum(p.numel() for part in parts if part is not None for p in part.parameters()) + layer.mixing.numel()
     if isinstance(layer, ConcatAttention):
         rows = 2 * layer.key_dim
-    elif isinstance(layer, Attention):
+    elif isinstance(layer, (Attention, AttentionRope)):  # fused qkv (timm's RoPE-ViTs fuse it)
         rows = 2 * layer.attn_dim
     else:
         raise TypeError(f"not an attention layer: {type(layer).__name__}")

@@ -84,6 +84,12 @@ CASES = {  # model, the architecture the folder must name
         lambda: converted("vit_small_patch16_18x2_224", key_dim=[16, 24, 32, 48], **SMALL), CONVERTED),
     "cut attention": (lambda: perturbed(timm.create_model("concat_deit_tiny_patch16_224_k48", **TINY)),
                       "concat_deit_tiny_patch16_224_k48"),
+    "registered rotary ViT, the grid": (
+        lambda: perturbed(timm.create_model("collab_vit_small_patch16_rope_224_k96", **TINY)),
+        "collab_vit_small_patch16_rope_224_k96"),
+    "registered rotary ViT with APE, key_dim keyword": (
+        lambda: perturbed(timm.create_model("collab_vit_small_patch16_rope_ape_224", key_dim=32, mixing_init="random",
+                                            **TINY, **SMALL)), "collab_vit_small_patch16_rope_ape_224"),
 }
 
 

@@ -1,12 +1,12 @@
-"""The package's layers import one way only: checks <- layers <- weights_io <- console <- conversion <- models <- hub
-<- training <- cli."""
+"""The package's layers import one way only: checks <- layers <- weights_io <- console <- conversion <- models
+(models_rope) <- hub <- training <- cli."""
 import ast
 import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
 RANK = {'_version': -1, 'checks': -0.5, 'layers': 0, 'weights_io': 1, 'console': 1.5, 'conversion': 2, 'models': 3,
-        'hub': 3.5, 'training': 4, 'cli': 5, '__init__': 6}
+        'models_rope': 3, 'hub': 3.5, 'training': 4, 'cli': 5, '__init__': 6}
 
 
 def part(module: str) -> str:

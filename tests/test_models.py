@@ -10,6 +10,7 @@ import torch
 import collab_vit
 from collab_vit import CollaborativeAttention, ConcatAttention
 from collab_vit.models import COLLAB_MODELS, CONCAT_MODELS, GENERIC_MODEL
+from collab_vit.models_rope import ROPE_MODELS
 from numerics import assert_within, vit_chain
 
 TINY = dict(img_size=32, patch_size=8, num_classes=7)  # small inputs keep the suite fast
@@ -59,7 +60,8 @@ def test_reparametrize_errors() -> None:
 
 
 def test_registry_lists_every_model() -> None:
-    assert set(timm.list_models("*collab*")) == set(COLLAB_MODELS) | {GENERIC_MODEL, "collab_vit_converted"}
+    assert set(timm.list_models("*collab*")) == set(COLLAB_MODELS) | set(ROPE_MODELS) | {GENERIC_MODEL,
+                                                                                       "collab_vit_converted"}
     assert set(timm.list_models("concat_*")) == set(CONCAT_MODELS)
     assert len(COLLAB_MODELS) == 12 and len(CONCAT_MODELS) == 9
 

@@ -21,7 +21,8 @@ SMALL = dict(embed_dim=64, num_heads=4, **TINY)
 
 
 def models() -> dict[str, torch.nn.Module]:
-    """One model per layer class: fixed key dim, one per block, converted (a BEiT form and timm's Attention), cut."""
+    """One model per layer class: fixed key dim, one per block, converted (a BEiT form and timm's Attention), cut,
+    the registered rotary ones (timm's Eva with the collaborative rotary layer)."""
     torch.manual_seed(0)
     return {
         "fixed": timm.create_model("collab_deit_tiny_patch16_224_k48", **TINY),
@@ -32,6 +33,9 @@ def models() -> dict[str, torch.nn.Module]:
         "converted BEiT": collab_vit.reparametrize(timm.create_model("beit_base_patch16_224", **SMALL), [16, 48],
                                                    progress=False),
         "concatenate": timm.create_model("concat_deit_tiny_patch16_224_k48", **TINY),
+        "rotary grid": timm.create_model("collab_vit_small_patch16_rope_224_k96", **TINY),
+        "rotary, random mixing": timm.create_model("collab_vit_small_patch16_rope_ape_224", key_dim=32,
+                                                   mixing_init="random", **SMALL),
     }
 
 

@@ -36,10 +36,11 @@ def test_upstream_suite_runs_every_registered_name():
     import timm
 
     from collab_vit.models import OWN_MODELS
+    from collab_vit.models_rope import ROPE_MODELS
     from conftest import OUR_MODELS
     from timm_upstream import our_models
 
-    assert OUR_MODELS == set(our_models()) == set(OWN_MODELS)
+    assert OUR_MODELS == set(our_models()) == set(OWN_MODELS) | set(ROPE_MODELS)
     assert {"collab_vit_converted", "collab_vit_generic"} <= OUR_MODELS
     assert repr(our_models()) in PATCH
     assert not any(name in OUR_MODELS for name in timm.list_models("deit*"))  # timm's own stay timm's

@@ -4,7 +4,8 @@ timm ships its tests only in the source distribution, so it is downloaded once w
 kept in a cache (``$COLLAB_VIT_CACHE`` or ``~/.cache/collab-vit``); later runs, offline ones too, use the cache.
 Our model patterns are added to the two lists that say how timm treats DeiT-like models: ``NON_STD_FILTERS`` (ViTs
 have no spatial feature maps, exactly as timm's own ``deit*``) and ``FEAT_INTER_FILTERS`` (modules whose models
-support ``forward_intermediates``; ours live in the module ``collab_vit.models``).
+support ``forward_intermediates``; ours live in the modules ``collab_vit.models`` and ``collab_vit.models_rope``, read
+from the registry too).
 """
 from __future__ import annotations
 
@@ -29,12 +30,17 @@ def our_models() -> list[str]:
                   if timm.models.model_entrypoint(name).__module__.split(".")[0] == "collab_vit")
 
 
+def our_modules() -> list[str]:
+    """The modules (timm's short names) that hold our entry points."""
+    return sorted({timm.models.model_entrypoint(name).__module__.split(".")[-1] for name in our_models()})
+
+
 SUITE_DIR = Path(__file__).parent / "timm_upstream_suite"
 ANCHOR = "NUM_NON_STD = len(NON_STD_FILTERS)"
 PATCH = (
     "# collab-vit: treat our models as timm treats its DeiTs (see tests/timm_upstream.py)\n"
     f"NON_STD_FILTERS += {our_models()!r}\n"
-    "FEAT_INTER_FILTERS += ['models']\n"
+    f"FEAT_INTER_FILTERS += {our_modules()!r}\n"
 )
 
 

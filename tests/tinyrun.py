@@ -1,5 +1,5 @@
-"""Helpers for the training/eval tests: a tiny random-image ImageFolder, tiny-model overrides, the ``tiny_data``
-fixture (import it into a test module to use it)."""
+"""Helpers for the training/eval tests: a tiny random-image ImageFolder, tiny-model overrides, the ``tiny_data`` and
+``tiny_fashion_mnist`` fixtures (import one into a test module to use it)."""
 import os
 
 import numpy as np
@@ -53,3 +53,27 @@ def to_flags(overrides):
 @pytest.fixture(scope='session')
 def tiny_data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp('tiny_data'))
+
+
+def write_idx(path, array: np.ndarray) -> None:
+    """An IDX file as in the original Fashion-MNIST distribution (uint8; 3 dims for images, 1 for labels)."""
+    magic = 2051 if array.ndim == 3 else 2049
+    header = magic.to_bytes(4, 'big') + b''.join(int(n).to_bytes(4, 'big') for n in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture(scope='module')
+def tiny_fashion_mnist(tmp_path_factory):
+    """200 train / 100 test 28x28 grayscale images whose class sets the brightness of one band: learnable."""
+    root = tmp_path_factory.mktemp('fmnist')
+    raw = root / 'FashionMNIST' / 'raw'
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (('train', 200), ('t10k', 100)):
+        labels = np.arange(n) % 10
+        images = rng.integers(0, 60, (n, 28, 28))
+        for i, c in enumerate(labels):
+            images[i, 2 * c:2 * c + 4] += 150
+        write_idx(raw / f'{prefix}-images-idx3-ubyte', images)
+        write_idx(raw / f'{prefix}-labels-idx1-ubyte', labels)
+    return root

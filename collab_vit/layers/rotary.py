@@ -55,14 +55,15 @@ def pair_angles(rope: torch.Tensor, pair_freq: torch.Tensor, half: bool,
     if rope.dim() == 4 and rope.shape[1] == 1:
         rope = rope[:, 0]
     elif rope.dim() != 2:
-        raise ValueError(f"rope of shape {tuple(rope.shape)} has one embedding per head (RotaryEmbeddingMixed): the "
+        raise ValueError(f"rope of shape {list(rope.shape)} has one embedding per head (RotaryEmbeddingMixed): the "
                          f"heads share no frequency, the collaborative rotary layer needs one for all heads")
     if rope.shape[-1] != 2 * head_dim:
         raise ValueError(f"rope has {rope.shape[-1]} channels, the layer's heads need 2 x {head_dim}")
-    sin, cos = rope.chunk(2, -1)
+    sin, cos = rope[..., :head_dim], rope[..., head_dim:]  # slices, not chunk: TorchScript cannot unpack its list
     pairs = head_dim // 2
     sin, cos = (sin[..., :pairs], cos[..., :pairs]) if half else (sin[..., 0::2], cos[..., 0::2])
-    return sin[..., pair_freq].repeat_interleave(2, -1), cos[..., pair_freq].repeat_interleave(2, -1)
+    sin, cos = sin.index_select(-1, pair_freq), cos.index_select(-1, pair_freq)
+    return sin.repeat_interleave(2, -1), cos.repeat_interleave(2, -1)
 
 
 def rotate(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, prefix: int) -> torch.Tensor:
