@@ -104,6 +104,12 @@ def model_name(size: str, family: str = "collab", key_dim: Optional[int] = None)
     return str(ModelName(size, family, key_dim))
 
 
+def rope_name(size: str, variant: str, key_dim: Optional[int] = None) -> str:
+    """``collab_vit_{size}_patch16_{variant}_224`` (timm's ``vit_...`` name, collaborative), ``_k{N}`` on the grid:
+    the rotary family's names (``models_rope.py``), built here with the DeiT family's."""
+    return f"collab_vit_{size}_patch16_{variant}_224" + ("" if key_dim is None else f"_k{key_dim}")
+
+
 def deit_eval_cfg(size: str) -> dict[str, Any]:
     """The evaluation pipeline of timm's own cfg for its DeiT weights (``deit_{size}_patch16_224.fb_in1k``)."""
     source = get_pretrained_cfg(f"{model_name(size, '')}.fb_in1k").to_dict()

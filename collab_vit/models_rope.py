@@ -27,10 +27,11 @@ import torch.nn as nn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.eva import Eva
 
-from .layers.attention import attention_class, check_key_dim
+from .checks import positive_int
+from .layers.attention import attention_class
 from .layers.rotary import CollaborativeAttentionRope
 from .layers.weight_decay import exclude_mixing_from_decay
-from .models import EVAL_CROP_PCT, _cfg, _file_architecture
+from .models import EVAL_CROP_PCT, _cfg, _file_architecture, rope_name
 
 # timm's RoPE-ViT arguments (``timm.models.eva.vit_{size}_patch16_rope_224``): patch 16, depth 12, axial rope.
 ROPE_VIT: dict[str, Any] = dict(patch_size=16, depth=12, mlp_ratio=4, attn_type="rope", qkv_bias=True,
@@ -42,11 +43,6 @@ ROPE_VARIANTS: dict[str, dict[str, bool]] = {"rope": dict(use_abs_pos_emb=False)
                                              "rope_ape": dict(use_abs_pos_emb=True, no_embed_class=True)}
 ROPE_GRID: dict[str, tuple[int, ...]] = {"small": (384, 192, 96), "base": (768, 384, 192)}  # D, D/2, D/4
 _BUILDING = threading.Lock()  # timm's EvaBlock reads ``AttentionRope`` from its module while blocks are built
-
-
-def rope_name(size: str, variant: str, key_dim: Optional[int] = None) -> str:
-    """``collab_vit_{size}_patch16_{variant}_224`` (timm's ``vit_...`` name, collaborative), ``_k{N}`` on the grid."""
-    return f"collab_vit_{size}_patch16_{variant}_224" + ("" if key_dim is None else f"_k{key_dim}")
 
 
 ROPE_MODELS: list[str] = [rope_name(s, v) for s in ROPE_SIZES for v in ROPE_VARIANTS] + [
@@ -86,7 +82,7 @@ def _create_rope(variant: str, size: str, rope: str, pretrained: bool, fixed_key
                          f"rope_type={args.get('rope_type')!r}, qk_norm={args.get('qk_norm')}, "
                          f"num_kv_heads={args.get('num_kv_heads')}")
     layer = attention_class(CollaborativeAttentionRope, args["embed_dim"] if key_dim is None else
-                            check_key_dim(key_dim), args.pop("mixing_init", "concatenate"))
+                            positive_int(key_dim, "key_dim"), args.pop("mixing_init", "concatenate"))
     out_indices = args.pop("out_indices", 3)
     with _rope_attention(layer):
         model = build_model_with_cfg(Eva, variant, pretrained,
