@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -30,6 +31,11 @@ def one_thread():
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A shell starting the suite in the background (``cmd &`` without job control, nohup) ignores SIGINT in it and in
+    # every process it starts, so the Ctrl-C tests would send a signal nobody receives: give the suite, and through
+    # it the processes the tests start, the handler a terminal's foreground process has.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for marker in ("base", "forward", "backward", "cfg", "cfg_nonstd", "torchscript", "features", "fxforward",
                    "fxbackward"):
         config.addinivalue_line("markers", f"{marker}: timm model-test marker")
