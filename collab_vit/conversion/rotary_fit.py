@@ -11,10 +11,13 @@ per frequency). It is fitted by complex ALS on the compressed core (``U = Qu Ru`
 (``||T_ip|| = ||u_ip|| ||v_ip||``, MHA2MLA's 2-norm score) and (2) the rank ``R - 1`` fit with one zero column; the
 better is kept, so the error is non-increasing in ``R`` and never above keeping the ``R`` strongest heads.
 
-The layer's ``key_dim / 2`` shared pairs are spread over the frequencies by dynamic programming on those per-frequency
-errors (optimal for them; it contains the allocation of "each head keeps its strongest pairs", so the weight-only
-fit never has a larger tensor error than that selection at equal q/k parameters). ``budget=F`` spreads a total over
-the layers by ``budget.allocate`` on each layer's spectrum, thresholds read the same spectrum.
+The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "each head keeps its strongest pairs"
+spreads them (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each frequency's fit at
+``R_p`` starts from exactly that selection, so the weight-only layer contains the selection and never has a larger
+tensor error at equal q/k parameters. The allocation that minimises the summed tensor error (dynamic programming,
+``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor error weighs
+every frequency's form alike, the logits do not. ``budget=F`` spreads a total over the layers by
+``budget.allocate`` on each layer's spectrum (the kept energy at ``1..P H`` pairs), thresholds read the same spectrum.
 """
 from __future__ import annotations
 
@@ -154,6 +157,20 @@ def grown(core: Tensor, m: Tensor, a: Tensor, c: Tensor) -> tuple[Tensor, Tensor
             torch.cat([c, right[0].unsqueeze(1)], 1))
 
 
+def selection_ranks(energy: Tensor) -> list[list[int]]:
+    """For every total ``K = 0..P H`` the ranks per frequency of "each head keeps its strongest pairs": the ``K``
+    first of every head's pairs ordered by their rank within the head, then by ``||T_ip||`` (with ``K = k H`` each
+    head keeps its ``k`` strongest); ``R_p`` = the number of heads that keep ``p``. ``energy``: (P, H)."""
+    order = energy.argsort(dim=0, descending=True, stable=True)  # (P, H): head i's j-th strongest pair
+    slots = sorted(((j, -float(energy[order[j, i], i]), int(order[j, i])) for j in range(energy.shape[0])
+                    for i in range(energy.shape[1])))
+    ranks = [[0] * energy.shape[0]]
+    for _, _, p in slots:
+        ranks.append(list(ranks[-1]))
+        ranks[-1][p] += 1
+    return ranks
+
+
 def allocate_pairs(errors: Tensor) -> list[list[int]]:
     """For every total ``K = 0..P H`` the ranks per frequency that minimise the summed error (``errors``: (P, H+1),
     non-increasing rows), by dynamic programming over the frequencies."""
@@ -185,12 +202,19 @@ class RotaryPlan:
         return (1 - self.relative_error[1:] ** 2).clamp(0, 1)
 
 
-def plan(freqs: Frequencies, max_iter: int = MAX_ITER) -> RotaryPlan:
-    """Fit every frequency at every rank and allocate the pairs (module docstring)."""
+ALLOCATIONS = ("selection", "optimal")
+
+
+def plan(freqs: Frequencies, max_iter: int = MAX_ITER, allocation: str = "selection") -> RotaryPlan:
+    """Fit every frequency at every rank and allocate the pairs: ``"selection"`` (the default, ``selection_ranks``)
+    or ``"optimal"`` for the summed tensor error (``allocate_pairs``; lower tensor error, lower accuracy: RESULTS.md,
+    rotary)."""
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
     began = time.perf_counter()
     fits = [fit_frequency(freqs.u[p], freqs.conj_v[p], max_iter) for p in range(freqs.u.shape[0])]
     errors = torch.tensor([[f.error for f in group] for group in fits], dtype=torch.float64)
-    ranks = allocate_pairs(errors)
+    ranks = selection_ranks(freqs.energy) if allocation == "selection" else allocate_pairs(errors)
     summed = torch.tensor([float(sum(errors[p, r] for p, r in enumerate(rs))) for rs in ranks], dtype=torch.float64)
     energy = float(freqs.energy.sum())
     relative = (summed.clamp_min(0) / max(energy, 1e-300)).sqrt()
