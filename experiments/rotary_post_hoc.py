@@ -64,14 +64,13 @@ def swap(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent), child, layer)
 
 
-def selection_layer(attn: torch.nn.Module, per_head: int) -> torch.nn.Module:
-    """Each head keeps its ``per_head`` pairs of largest ``||Wq pair|| ||Wk pair||``: the exact layer's shared pairs
+def selection_layer(attn: torch.nn.Module, key_dim: int) -> torch.nn.Module:
+    """Each head keeps its ``key_dim / (2 heads)`` pairs of largest ``||Wq pair|| ||Wk pair||`` (fewer pairs than
+    heads: the strongest heads keep one; ``rotary_fit.selection_slots``): the exact layer's shared pairs
     ``r = i dh/2 + p`` of the kept ``(i, p)`` (mixing ``e_i``), the others dropped."""
     exact = rotary_layer(attn)
     energy = rotary_fit.frequencies(attn).energy  # (P, H): ||T_ip||^2, the score squared
-    pairs = energy.shape[0]
-    kept = sorted(i * pairs + int(p) for i in range(attn.num_heads)
-                  for p in energy[:, i].argsort(descending=True, stable=True)[:per_head])
+    kept = sorted(i * energy.shape[0] + p for p, i in rotary_fit.selection_slots(energy)[:key_dim // 2])
     dims = torch.tensor([d for r in kept for d in (2 * r, 2 * r + 1)])
     small = rotary_like(attn, dims.numel())
     with torch.no_grad():
@@ -105,7 +104,7 @@ def convert(source: torch.nn.Module, key_dim: int, variant: str, calibration: to
         return model, [r.as_dict() for r in report], report.summary
     rows = []
     for name, attn in timm_attention_layers(model):
-        layer = (selection_layer(attn, key_dim // (2 * attn.num_heads)) if variant == "select"
+        layer = (selection_layer(attn, key_dim) if variant == "select"
                  else per_frequency(attn, key_dim, variant))
         rows.append({"name": name, "key_dim": layer.key_dim, "tensor_error": rotary_fit.layer_error(attn, layer)})
         swap(model, name, layer.eval())

@@ -16,7 +16,8 @@ spreads them (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``
 ``R_p`` starts from exactly that selection, so the weight-only layer contains the selection and never has a larger
 tensor error at equal q/k parameters. The allocation that minimises the summed tensor error (dynamic programming,
 ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor error weighs
-every frequency's form alike, the logits do not. ``budget=F`` spreads a total over the layers by
+every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose error stands for the
+logits' on the calibration tokens, takes the optimal allocation of its whitened error. ``budget=F`` spreads a total over the layers by
 ``budget.allocate`` on each layer's spectrum (the kept energy at ``1..P H`` pairs), thresholds read the same spectrum.
 """
 from __future__ import annotations
@@ -157,15 +158,20 @@ def grown(core: Tensor, m: Tensor, a: Tensor, c: Tensor) -> tuple[Tensor, Tensor
             torch.cat([c, right[0].unsqueeze(1)], 1))
 
 
-def selection_ranks(energy: Tensor) -> list[list[int]]:
-    """For every total ``K = 0..P H`` the ranks per frequency of "each head keeps its strongest pairs": the ``K``
-    first of every head's pairs ordered by their rank within the head, then by ``||T_ip||`` (with ``K = k H`` each
-    head keeps its ``k`` strongest); ``R_p`` = the number of heads that keep ``p``. ``energy``: (P, H)."""
+def selection_slots(energy: Tensor) -> list[tuple[int, int]]:
+    """Every ``(p, i)`` in the order "each head keeps its strongest pairs" keeps them: by the pair's rank within its
+    head, then by ``||T_ip||`` (the first ``k H`` are each head's ``k`` strongest). ``energy``: (P, H)."""
     order = energy.argsort(dim=0, descending=True, stable=True)  # (P, H): head i's j-th strongest pair
-    slots = sorted(((j, -float(energy[order[j, i], i]), int(order[j, i])) for j in range(energy.shape[0])
-                    for i in range(energy.shape[1])))
+    slots = sorted((j, -float(energy[order[j, i], i]), int(order[j, i]), i) for j in range(energy.shape[0])
+                   for i in range(energy.shape[1]))
+    return [(p, i) for _, _, p, i in slots]
+
+
+def selection_ranks(energy: Tensor) -> list[list[int]]:
+    """For every total ``K = 0..P H`` the ranks per frequency of the first ``K`` ``selection_slots``: ``R_p`` = the
+    number of heads that keep ``p``."""
     ranks = [[0] * energy.shape[0]]
-    for _, _, p in slots:
+    for p, _ in selection_slots(energy):
         ranks.append(list(ranks[-1]))
         ranks[-1][p] += 1
     return ranks
@@ -294,20 +300,26 @@ def resolve_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec,
     freqs = [frequencies(attn) for _, attn in layers]
     if sides is not None:
         freqs = [whitened(f, s) for f, s in zip(freqs, sides)]
-    return spectrum_dims(spec, [plan(f) for f in freqs])
+    return spectrum_dims(spec, [plan(f, allocation=allocation_for(sides)) for f in freqs])
+
+
+def allocation_for(sides: object) -> str:
+    """Weight-only: the selection's allocation; whitened by the tokens: the optimal one for the whitened error (which
+    stands for the logit error on those tokens, where the weights' Frobenius error does not: RESULTS.md, rotary)."""
+    return "selection" if sides is None else "optimal"
 
 
 def fit_rotary(attn: nn.Module, key_dim: int, sides: Optional[tuple[Whitening, Whitening]] = None,
                max_iter: int = MAX_ITER) -> LayerFit:
     """``attn`` at ``key_dim``: exact at full rank or above, else the per-frequency fit (of the whitened factors when
-    ``sides``); the tensor error of the weights (and of the whitened factors)."""
+    ``sides``, ``allocation_for``); the tensor error of the weights (and of the whitened factors)."""
     began = time.perf_counter()
     full = attn.num_heads * attn.head_dim
     if key_dim >= full:
         return LayerFit(rotary_layer(attn, key_dim), key_dim, 0.0, None if sides is None else 0.0,
                         time.perf_counter() - began)
     freqs = frequencies(attn)
-    fitted = plan(freqs if sides is None else whitened(freqs, sides), max_iter)
+    fitted = plan(freqs if sides is None else whitened(freqs, sides), max_iter, allocation_for(sides))
     layer = compressed_layer(attn, freqs, fitted.fits, fitted.ranks[key_dim // 2], sides)
     white = None if sides is None else float(fitted.relative_error[key_dim // 2])
     return LayerFit(layer, key_dim, layer_error(attn, layer), white, time.perf_counter() - began)
