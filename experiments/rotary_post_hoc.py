@@ -145,12 +145,14 @@ def table(rows: list[dict], top1_source: float) -> str:
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     recipe = [found[("recipe", k)] for k in keys if ("recipe", k) in found]
     if recipe:
-        lines += ["", "Recipe: candidates' held-out KL (256 images, 32 held out), the one kept:", "",
-                  "| q/k dims | " + " | ".join(recipe[0]["summary"]["candidates"]) + " | kept |",
-                  "|---|" + "---:|" * (len(recipe[0]["summary"]["candidates"]) + 1)]
+        lines += ["", f"Recipe: the candidates' held-out KL ({recipe[0]['images']} images, "
+                  f"{recipe[0]['summary']['images_held_out']} held out; the better start refined), the one kept:", "",
+                  "| q/k dims | weight | whitened | refined | kept |", "|---|---:|---:|---:|---|"]
         for r in recipe:
             kl = r["summary"]["candidates"]
-            lines.append(f"| {r['key_dim']} | " + " | ".join(f"{kl[c]:.4f}" for c in kl) +
+            refined = next((c for c in kl if c.endswith("+refine")), None)
+            lines.append(f"| {r['key_dim']} | {kl['weight']:.4f} | {kl['whitened']:.4f} | " +
+                         ("—" if refined is None else f"{kl[refined]:.4f} ({refined})") +
                          f" | {r['summary']['chosen']} |")
     return "\n".join(lines) + "\n"
 
