@@ -39,6 +39,7 @@ from collab_vit.conversion import rotary_fit
 from collab_vit.conversion.calibration import calibration_images
 from collab_vit.conversion.reparam import probe_input_size, reparametrize, timm_attention_layers
 from collab_vit.conversion.rotary import rotary_layer, rotary_like
+from collab_vit.hub import save_pretrained
 from collab_vit.training.build import build_model, load_weights
 from collab_vit.training.config import build_config
 
@@ -124,10 +125,22 @@ def run_cell(source: torch.nn.Module, key_dim: int, variant: str, calibration: t
            "top1": top1(model, *test), "top1_source": args.top1_source, "seconds": round(seconds, 2),
            "per_layer": layers, "summary": summary, "commit": git_commit(), "machine": machine()}
     write_json(path, row)
+    if key_dim in args.save and variant in ("select", "weight", "recipe"):
+        save(model, variant, key_dim, args)
     print(f"{variant} k{key_dim}: top-1 {row['top1']:.2f} ({row['top1'] - args.top1_source:+.2f}), tensor error "
           f"{row['tensor_error']:.3f}, {seconds:.1f} s" + (f", kept {summary['chosen']}" if "chosen" in summary
                                                            else ""), flush=True)
     return row
+
+
+def save(model: torch.nn.Module, variant: str, key_dim: int, args: argparse.Namespace) -> None:
+    """The converted model for experiments/rotary_finetune.sh: a hub folder (``weight``, ``recipe``), or the state
+    dict (``select``: the architecture of the ``weight`` folder at the same key dim, other weights)."""
+    args.runs.mkdir(parents=True, exist_ok=True)
+    if variant == "select":
+        torch.save(model.state_dict(), args.runs / f"select_k{key_dim}.pth")
+    else:
+        save_pretrained(model, str(args.runs / f"{variant}_k{key_dim}"), data_config=args.data_config)
 
 
 def table(rows: list[dict], top1_source: float) -> str:
@@ -290,10 +303,13 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     p.add_argument("--images", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", nargs="*", type=int, default=[], help="q/k dims whose models are kept for the fine-tune")
+    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "rotary_post_hoc")
     args = p.parse_args()
     torch.set_num_threads(1)
     args.results.mkdir(parents=True, exist_ok=True)
     source, meta = load(args.source, args.config)
+    args.data_config = {k: v for k, v in meta["data_config"].items() if k != "input_size"}
     (args.results / "methods.md").write_text(methods(source))
     (args.results / "energy.md").write_text(energy_report(source, load(None, args.config)[0],
                                                           args.results / "energy.png"))
