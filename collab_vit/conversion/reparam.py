@@ -156,7 +156,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
             ``summary`` (candidates, which won, held-out KL).
 
     Rotary attention (DINOv3, EVA-02, PE, RoPE-ViT) converts exactly at full rank (``key_dim=None``; calibration has
-    nothing to fit there); below it is refused, for now. A model with an attention layer that cannot be converted
+    nothing to fit there) and below it per frequency (``rotary_fit.py``: even key dims; the recipe's candidates with
+    calibration). A model with an attention layer that cannot be converted
     (qk_norm, mixed rope, ...) is refused with one line before any work; one that fails half way is put back as it
     was.
     """
