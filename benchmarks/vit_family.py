@@ -63,7 +63,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "EVA-01 (no rope, fused qkv with q/v biases)": ("eva_giant_patch14_224", dict(qkv_bias=True)),
     "EVA, separate q/k/v projections, scale norm": ("eva_giant_patch14_224", dict(qkv_fused=False, scale_attn_inner=True)),
 }
-# label -> (timm name, keywords over SMALL): rotary attention, exact at full rank (compression: not yet)
+# label -> (timm name, keywords over SMALL): rotary attention, exact at full rank (compressed: conversion/rotary_fit.py)
 ROTARY: dict[str, tuple[str, dict[str, Any]]] = {
     "DINOv3 (class token + 4 registers)": ("vit_small_patch16_dinov3", {}),
     "DINOv3 with qkv bias": ("vit_small_patch16_dinov3_qkvb", {}),
@@ -241,8 +241,8 @@ def format_table(rows: list[Row], rotary: list[RotaryRow], refused: dict[str, st
         lines.append(f"| {r.label} | `{r.model}` | {r.full_rank_error:.1e} ({r.full_rank_error / U32:.1f} u) | "
                      f"{r.bound * U32:.1e} (k = {r.bound}) | {r.top1_agreement:.0%} | {r.half_rank_error:.3f} | "
                      f"{r.kept} | {r.reload} |")
-    lines += ["", "Rotary attention converts exactly at full rank (below it: `compression of rotary attention: not "
-              "yet`):", "", format_rotary(rotary)]
+    lines += ["", "Rotary attention converts exactly at full rank (below it: per frequency, RESULTS.md \"Rotary "
+              "models\"):", "", format_rotary(rotary)]
     lines += ["", "| refused | timm model | reason (one line, before any work) |", "|---|---|---|"]
     lines += [f"| {label} | `{REFUSED[label][0]}` | {why} |" for label, why in refused.items()]
     return "\n".join(lines)

@@ -102,3 +102,28 @@ def test_logit_scale_diagnostic(tiny_fashion_mnist, tmp_path):
     assert start.keys() == init.keys()
     for key, value in init.items():
         torch.testing.assert_close(start[key], 2 * value if key.endswith('.mixing') else value, rtol=0, atol=0)
+
+
+def test_rotary_post_hoc(tiny_fashion_mnist, tmp_path):
+    """experiments/rotary_post_hoc.py on rope_long.yaml's model at its init: every variant's cell, the table, the
+    plot, the methods table and the energy shares (trained = init here, so the two columns agree)."""
+    import torch
+    from collab_vit.training.build import build_model
+    from collab_vit.training.config import build_config
+
+    cfg = build_config(os.path.join(ROOT, 'configs', 'fmnist', 'rope_long.yaml'))
+    torch.manual_seed(1)
+    model = build_model(cfg.model, cfg.num_classes, cfg.img_size, 0.0, {**cfg.model_kwargs, 'in_chans': 1})
+    torch.save(model.state_dict(), tmp_path / 'source.pth')
+    results = tmp_path / 'rotary'
+    run('rotary_post_hoc.py', '--source', tmp_path / 'source.pth', '--data-dir', tiny_fashion_mnist, '--results',
+        results, '--key-dims', '16', '--images', '40')
+    for variant in ('select', 'uniform', 'optimal', 'weight', 'recipe'):
+        row = json.loads((results / f'{variant}_k16.json').read_text())
+        assert row['key_dims'] == [16] * 4 and 0 <= row['top1'] <= 100 and 0 < row['tensor_error'] < 1
+    assert json.loads((results / 'recipe_k16.json').read_text())['summary']['images_fit'] == 35
+    weight, select = (json.loads((results / f'{v}_k16.json').read_text()) for v in ('weight', 'select'))
+    assert weight['tensor_error'] <= select['tensor_error']
+    assert (results / 'table.md').read_text().count('| 16 |') == 2
+    assert 'tensorly parafac' in (results / 'methods.md').read_text()
+    assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000 and (results / 'energy.png').stat().st_size > 10_000

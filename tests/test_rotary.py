@@ -1,7 +1,8 @@
 """Rotary attention (issue 33): the collaborative rotary layer computes the logits of timm's ``AttentionRope`` /
 ``EvaAttention`` (both rope layouts, prefix tokens unrotated, q/k biases in the shared projections, both routes);
 every rotary family timm registers converts exactly at full rank and reloads bit-identically from its hub folder;
-compression, mixed rope and qk_norm are refused in one line with the model untouched."""
+odd key dims, mixed rope and qk_norm are refused in one line with the model untouched (compression:
+test_rotary_compress.py)."""
 from __future__ import annotations
 
 import copy
@@ -20,7 +21,7 @@ from timm.models.eva import EvaAttention
 import collab_vit
 import vit_family
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion import rotary
+from collab_vit.conversion import rotary, rotary_fit
 from collab_vit.layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention, pair_angles, rotate
 from numerics import U32, assert_within, attention_chain, max_error
 from test_vit_family import doc_block, table_rows
@@ -265,14 +266,12 @@ REFUSALS = {  # label -> (timm name, keywords over vit_family.SMALL, key_dim, wh
                           "cannot convert blocks.0.attn (AttentionRope): qk_norm normalises"),
     "qk_norm, EVA-02": ("eva02_tiny_patch14_224", dict(qk_norm=True), None,
                         "cannot convert blocks.0.attn (EvaAttention): qk_norm normalises"),
-    "a key dim below full rank": ("vit_small_patch16_dinov3", {}, 32,
-                                  "compression of rotary attention: not yet: key_dim 32 is below blocks.0.attn's full "
-                                  "rank 64"),
-    "a budget": ("vit_small_patch16_rope_224", {}, "budget=0.5", "compression of rotary attention: not yet (key_dim "
-                                                                  "budget=0.5 compresses)"),
-    "a threshold": ("eva02_tiny_patch14_224", {}, 0.9, "compression of rotary attention: not yet (key_dim threshold "
-                                                       "0.9 compresses)"),
-    "an odd key dim": ("vit_small_patch16_rope_224", {}, 65, "rotary attention needs an even key_dim, got 65"),
+    "an odd key dim": ("vit_small_patch16_rope_224", {}, 65, "rotary attention needs an even key_dim (pairs of dims), "
+                                                             "got 65 for blocks.0.attn"),
+    "an odd key dim below full rank": ("vit_small_patch16_dinov3", {}, 31, "rotary attention needs an even key_dim "
+                                                                           "(pairs of dims), got 31"),
+    "a budget below one pair a layer": ("eva02_tiny_patch14_224", {}, "budget=0.01", "budget=0.01 gives 0 key dims "
+                                                                                     "for 2 attention layers"),
 }
 
 
@@ -281,7 +280,7 @@ def test_refusals_one_line_model_untouched(label: str, monkeypatch) -> None:
     name, kwargs, key_dim, message = REFUSALS[label]
     model = vit_family.create(name, kwargs)
     before = snapshot(model)
-    monkeypatch.setattr(rotary, "rotary_layer", lambda *a, **k: pytest.fail("built a layer of a refused model"))
+    monkeypatch.setattr(rotary_fit, "fit_rotary", lambda *a, **k: pytest.fail("built a layer of a refused model"))
     with pytest.raises(ValueError) as error:
         collab_vit.reparametrize(model, key_dim, progress=False)
     assert message in str(error.value) and "\n" not in str(error.value)
@@ -299,7 +298,7 @@ def test_spectrum_of_rotary_attention_is_refused_in_one_line() -> None:
 
 def test_convert_cli_rotary_full_rank_and_refusal(tmp_path: Path, capsys, monkeypatch) -> None:
     """``collab-vit convert`` converts a RoPE-ViT's weights exactly into a hub folder timm reloads (the outputs of the
-    in-memory conversion, bit for bit), and refuses a compressed key dim before loading any weights."""
+    in-memory conversion, bit for bit), and refuses an odd key dim before loading any weights."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     source = vit_family.create(name, kwargs)
     torch.save(source.state_dict(), tmp_path / "rope.pth")
@@ -314,7 +313,7 @@ def test_convert_cli_rotary_full_rank_and_refusal(tmp_path: Path, capsys, monkey
                                                                       x))
     monkeypatch.setattr(timm.models._builder, "load_pretrained", lambda *a, **k: pytest.fail("loaded weights"))
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["convert", *flags, "--key-dim", "16", "--out", str(tmp_path / "small")])
+        cli_main(["convert", *flags, "--key-dim", "15", "--out", str(tmp_path / "small")])
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and "compression of rotary attention: not yet" in err and "\n" not in err
+    assert exit_info.value.code == 2 and "rotary attention needs an even key_dim" in err and "\n" not in err
     assert not (tmp_path / "small").exists()

@@ -39,7 +39,8 @@ def prefix_tokens(model: nn.Module) -> int:
 
 def new_moments(model: nn.Module, attn: Attention) -> TokenMoments:
     """Empty moments for one layer, the model's prefix tokens kept apart (``TokenMoments.prefix``)."""
-    return TokenMoments(attn.qkv.in_features, prefix_tokens(model))
+    qkv = attn.qkv if getattr(attn, "qkv", None) is not None else attn.q_proj  # EVA's separate q/k/v
+    return TokenMoments(qkv.in_features, prefix_tokens(model))
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -111,6 +111,21 @@ def weight_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec) -> tuple[
     return key_dims(spec, [a.attn_dim for _, a in layers], spectra)
 
 
+@dataclass(frozen=True)
+class Builder:
+    """How one kind of layer's candidates are built: their key dims per start (``start_dims``), the whitening of a
+    layer's moments, the fit (``fit_attention``'s arguments) and the tensor error of a refined layer. None: standard
+    attention's (this module's functions, looked up when called); rotary layers: ``rotary_fit.ROTARY``."""
+
+    dims: Optional[Callable] = None
+    sides: Optional[Callable] = None
+    fit: Optional[Callable] = None
+    tensor_error: Optional[Callable] = None
+
+
+STANDARD = Builder()
+
+
 @dataclass
 class Candidate:
     name: str
@@ -121,7 +136,7 @@ class Candidate:
 
 
 def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyDimSpec, method: str, images: Tensor,
-               effort: str, seed: int, progress: bool, recipe: Recipe
+               effort: str, seed: int, progress: bool, recipe: Recipe, builder: Builder = STANDARD
                ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
     """Fit, refine and measure the candidates at the key dims of ``spec`` (thresholds and budgets: each start's own
     spectra, ``start_dims``); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for
@@ -144,7 +159,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     if weight == "balanced" and patches is None:
         weight = 1.0  # the rule needs the patch count; without it every token counts alike
     weight = prefix_weight_for(weight, prefix_tokens(model), patches)
-    dims, dims_from = start_dims(layers, as_spec(spec), moments, recipe.ridge, weight)
+    fit_layer, sides_of = builder.fit or fit_attention, builder.sides or whitening
+    dims, dims_from = (builder.dims or start_dims)(layers, as_spec(spec), moments, recipe.ridge, weight)
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     starts = [s for s in STARTS if pinned is None or any(c.split("+")[0] == s for c in pinned)]
     originals = [attn for _, attn in layers]
@@ -165,8 +181,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
         for start_name in starts:
             fits = []
             for (_, attn), rank, layer_moments in zip(layers, dims[start_name], moments):
-                sides = whitening(layer_moments, recipe.ridge, weight) if start_name == "whitened" else None
-                fits.append(fit_attention(attn, rank, method, sides, **options))
+                sides = sides_of(layer_moments, recipe.ridge, weight) if start_name == "whitened" else None
+                fits.append(fit_layer(attn, rank, method, sides, **options))
                 bar.update()
             found[start_name] = measure(Candidate(start_name, fits))
         bar.close()
@@ -183,7 +199,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
             result = refine_logits(model, [f.layer for f in fits], images[:fit], targets, steps, recipe.refine_lr,
                                    recipe.batch_size, seed, progress)
             for (_, attn), f in zip(layers, fits):
-                f.tensor_error = tensor_error(attn, f.layer)
+                f.tensor_error = (builder.tensor_error or tensor_error)(attn, f.layer)
             found[name] = measure(Candidate(name, fits, refine={
                 "steps": result.steps, "lr": recipe.refine_lr, "seconds": result.seconds,
                 "kl_before": result.kl_before, "kl_after": result.kl_after, "kept_start": result.kept_start}))

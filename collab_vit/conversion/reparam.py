@@ -26,8 +26,10 @@ from .calibration import Calibration, TokenMoments, calibration_images, whitened
 from .capture import source_tokens
 from .decompose import energy_spectrum
 from .fit import METHODS, LayerFit, check_method, fit_attention, head_factors, layer_from_decomposition
-from .recipe import Recipe, calibrated, check_effort, weight_dims
-from .rotary import convert_rotary, is_rotary
+from .recipe import STANDARD, Recipe, calibrated, check_effort, split, weight_dims
+from .rotary import is_rotary, layer_calls
+from .rotary import output_error as rotary_output_error
+from .rotary_fit import ROTARY, convert_rotary, only_rotary
 from .support import all_or_nothing, attention_forms
 
 __all__ = ["Budget", "ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
@@ -150,7 +152,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
             ``summary`` (candidates, which won, held-out KL).
 
     Rotary attention (DINOv3, EVA-02, PE, RoPE-ViT) converts exactly at full rank (``key_dim=None``; calibration has
-    nothing to fit there); below it is refused, for now. A model with an attention layer that cannot be converted
+    nothing to fit there) and below it per frequency (``rotary_fit.py``: even key dims; the recipe's candidates with
+    calibration). A model with an attention layer that cannot be converted
     (qk_norm, mixed rope, ...) is refused with one line before any work; one that fails half way is put back as it
     was.
     """
@@ -170,23 +173,34 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     check_method(method)
     check_effort(effort)
     layers = timm_attention_layers(model)
-    if any(is_rotary(attn, model) for _, attn in layers):  # exact at full rank, nothing to calibrate (``rotary.py``)
+    rotary = any(is_rotary(attn, model) for _, attn in layers)
+    if rotary and (calibration is None or as_spec(key_dim) is None):  # weight-only, per frequency (``rotary_fit.py``)
         rows = convert_rotary(model, layers, key_dim, _probe(model, probe, seed))
-        return ConversionReport([LayerReport(name, k, 0.0, error, seconds) for name, k, error, seconds in rows])
+        return ConversionReport([LayerReport(name, k, tensor, error, seconds) for name, k, tensor, error, seconds
+                                 in rows])
     if calibration is None:
         return _weight_only(model, layers, key_dim, method, probe, seed, progress, recipe.decomposition)
     images = calibration_images(calibration, probe_input_size(model), recipe.max_images, recipe.batch_size)
     was_training = model.training
     model.eval()
     try:
-        fits, held, summary = calibrated(model, layers, key_dim, method, images, effort, seed, progress, recipe)
+        calls = None
+        if rotary:  # the held-out images' calls, for the output errors (rotary layers take the rope)
+            only_rotary(model, layers)
+            fit = split(images.shape[0], recipe.holdout)
+            calls = layer_calls(model, layers, images[fit:] if fit < images.shape[0] else images)
+        fits, held, summary = calibrated(model, layers, key_dim, method, images, effort, seed, progress, recipe,
+                                         ROTARY if rotary else STANDARD)
     finally:
         model.train(was_training)
     where = f"{summary['images_held_out']} held-out calibration images" if summary["images_held_out"] \
         else "the fitting image (none held out)"
     reports = []
-    for (name, attn), fitted, tokens in zip(layers, fits, held):
-        error = output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
+    for i, ((name, attn), fitted, tokens) in enumerate(zip(layers, fits, held)):
+        if calls is not None:  # rotary layers are called with the rope (``rotary.layer_calls``)
+            error = rotary_output_error(fitted.layer, attn, calls[i]) if calls[i] is not None else float("nan")
+        else:
+            error = output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
         reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, fitted.seconds, where,
                                    summary["key_dims_from"]))
     return ConversionReport(reports, summary)

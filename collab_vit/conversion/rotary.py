@@ -6,7 +6,7 @@ interleaved or half, put in the shared interleaved order), carrying frequency ``
 its own ``dh/2`` pairs, 0 elsewhere. The query and key biases move into the shared projections, pair by pair: a
 rotated bias varies along a softmax row, so neither the content bias nor dropping the key bias is exact under rope
 (docs/math.md, "Rotary attention"). Values, scale norm, gate and output projection are copied. Below full rank:
-refused in one line (not yet).
+``rotary_fit.py`` (per-frequency compression).
 
 Refused in one line, naming the layer (``support.check_model``): mixed rope (``RotaryEmbeddingMixed`` learns its
 frequencies per head), ``qk_norm``, grouped-query attention, head dims other than ``dim / heads``, a rope module not
@@ -15,7 +15,6 @@ known to give every head the same frequencies.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any, Optional
 
 import torch
@@ -27,10 +26,9 @@ from torch import Tensor
 
 from ..layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
-from ..layers.construction import QK_NORM, full_rank, replace_submodule
+from ..layers.construction import QK_NORM, full_rank
 from .forms import is_eva_attention
 
-NOT_YET = "compression of rotary attention: not yet"
 SHARED_ROPE = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMRope)  # one rope tensor for all heads
 MIXED = ("mixed rope (RotaryEmbeddingMixed) learns its frequencies per head: the heads share no frequency, so no "
          "shared rotary projection")
@@ -112,7 +110,8 @@ def rotary_layer(attn: nn.Module, key_dim: Optional[int] = None) -> Collaborativ
     full = full_rank(attn)
     key_dim = full if key_dim is None else key_dim
     if key_dim < full:
-        raise ValueError(f"{NOT_YET}: key_dim {key_dim} is below the full rank {full} (heads x head dim)")
+        raise ValueError(f"rotary_layer is the exact construction: key_dim {key_dim} is below the full rank {full} "
+                         f"(heads x head dim); compressed layers come from rotary_fit")
     layer = rotary_like(attn, key_dim)
     wq, wk, wv, bq, bk, bv = projections(attn)
     order = shared_order(attn.num_heads, attn.head_dim, bool(getattr(attn, "rotate_half", False))).to(wq.device)
@@ -131,28 +130,23 @@ def rotary_layer(attn: nn.Module, key_dim: Optional[int] = None) -> Collaborativ
     return layer
 
 
-def full_rank_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> list[int]:
-    """One key dim per rotary layer from ``spec``, each at least the layer's full rank (even); else the one-line
-    refusal (compression is not there yet)."""
+def even_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> Optional[list[int]]:
+    """The given key dims of the rotary ``layers`` (``spec`` an int or a list; None for a threshold or budget, read
+    from the spectra later), each even; else a one-line refusal (before any weight is read: works on meta)."""
     spec = as_spec(spec)
     if isinstance(spec, (float, Budget)):
-        asked = f"budget={spec.fraction}" if isinstance(spec, Budget) else f"threshold {spec}"
-        raise ValueError(f"{NOT_YET} (key_dim {asked} compresses); key_dim=None converts it exactly")
-    full = [full_rank(attn) for _, attn in layers]
-    dims, _ = key_dims(spec, full, [])
-    for (name, _), dim, rank in zip(layers, dims, full):
-        if dim < rank:
-            raise ValueError(f"{NOT_YET}: key_dim {dim} is below {name}'s full rank {rank} (heads x head dim); "
-                             f"key_dim=None converts it exactly")
+        return None
+    dims, _ = key_dims(spec, [full_rank(attn) for _, attn in layers], [])
+    for (name, _), dim in zip(layers, dims):
         if dim % 2:
-            raise ValueError(f"rotary attention needs an even key_dim, got {dim} for {name}")
+            raise ValueError(f"rotary attention needs an even key_dim (pairs of dims), got {dim} for {name}")
     return dims
 
 
 def check_rotary_spec(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> None:
     """The one-line refusal of ``spec`` for a model with rotary layers (before any weight is read: works on meta)."""
     if any(is_rotary(attn, model) for _, attn in layers):
-        full_rank_dims(layers, spec)
+        even_dims(layers, spec)
 
 
 def refuse_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], what: str) -> None:
@@ -192,21 +186,3 @@ def output_error(layer: nn.Module, source: nn.Module, call: tuple[Tensor, dict[s
     layer.train(was[0])
     source.train(was[1])
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec, probe: Tensor
-                   ) -> list[tuple[str, int, float, float]]:
-    """Swap every rotary layer of ``model`` (in place) for its exact collaborative layer; ``(name, key dim, output
-    error on the ``probe`` images' tokens, seconds)`` per layer."""
-    standard = [name for name, attn in layers if not is_rotary(attn, model)]
-    if standard:
-        raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
-    dims = full_rank_dims(layers, spec)
-    rows = []
-    for (name, attn), dim, call in zip(layers, dims, layer_calls(model, layers, probe)):
-        began = time.perf_counter()
-        layer = rotary_layer(attn, dim)
-        seconds = time.perf_counter() - began
-        rows.append((name, dim, output_error(layer, attn, call), seconds))
-        replace_submodule(model, name, layer)
-    return rows

@@ -1,0 +1,178 @@
+"""Compression of rotary attention per frequency (issue 33, conversion/rotary_fit.py): at full rank the fit is the
+exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and never above keeping
+each head's strongest pairs at equal q/k parameters; budgets and thresholds give exactly what they promise; the
+calibrated recipe runs its candidates on rotary layers and keeps weight-only unless another is better on held-out
+images; a compressed model reloads bit-identically from its hub folder."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.layers import AttentionRope
+from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
+
+import collab_vit
+import vit_family
+from collab_vit.cli import main as cli_main
+from collab_vit.conversion import rotary, rotary_fit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DIM, HEADS, GRID = 32, 4, (3, 4)  # head dim 8: four pairs, two frequencies per axis
+
+
+def source(half: bool, bias: bool, seed: int = 0) -> AttentionRope:
+    torch.manual_seed(seed)
+    layer = AttentionRope(DIM, HEADS, qkv_bias=bias, num_prefix_tokens=1, rotate_half=half)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param.normal_(0, 0.5 if "bias" in name else 0.2)
+    return layer.eval()
+
+
+def call(half: bool) -> tuple[torch.Tensor, dict]:
+    rope = RotaryEmbeddingCat(DIM // HEADS, in_pixels=False, temperature=10., feat_shape=list(GRID),
+                              rotate_half=half).get_embed()
+    return torch.randn(2, 1 + GRID[0] * GRID[1], DIM, generator=torch.Generator().manual_seed(1)), {"rope": rope}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def selection_error(attn: nn.Module, pairs_per_head: int) -> float:
+    """The tensor error of the baseline: each head keeps its ``pairs_per_head`` pairs of largest
+    ``||Wq pair|| ||Wk pair||`` (= ``||T_ip||``) and drops the rest."""
+    energy = rotary_fit.frequencies(attn).energy  # (P, H)
+    kept = energy.sort(dim=0, descending=True).values[:pairs_per_head].sum()
+    return float(((energy.sum() - kept) / energy.sum()).sqrt())
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["interleaved", "half"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_full_rank_fit_is_the_exact_conversion(half: bool, bias: bool) -> None:
+    attn = source(half, bias)
+    freqs = rotary_fit.frequencies(attn)
+    fitted = rotary_fit.plan(freqs)
+    assert fitted.ranks[-1] == [HEADS] * (DIM // HEADS // 2) and fitted.relative_error[-1] < 1e-12
+    layer = rotary_fit.compressed_layer(attn, freqs, fitted.fits, fitted.ranks[-1])
+    x, kwargs = call(half)
+    assert relative(layer(x, **kwargs), rotary.rotary_layer(attn)(x, **kwargs)) < 1e-5
+    assert relative(layer(x, **kwargs), attn(x, **kwargs)) < 1e-5
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["interleaved", "half"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_error_non_increasing_in_key_dim_and_as_fitted(half: bool, bias: bool) -> None:
+    """Every even key dim: the built layer's tensor error (dense, float64) is the fit's, and it never grows with the
+    key dim; the layer's output error follows."""
+    attn = source(half, bias)
+    errors = []
+    for key_dim in range(2, DIM + 1, 2):
+        fitted = rotary_fit.fit_rotary(attn, key_dim)
+        assert fitted.layer.key_dim == key_dim and fitted.layer.pair_freq.numel() == key_dim // 2
+        assert rotary_fit.layer_error(attn, fitted.layer) == pytest.approx(fitted.tensor_error, abs=1e-6)
+        errors.append(fitted.tensor_error)
+    assert all(b <= a + 1e-9 for a, b in zip(errors, errors[1:])) and errors[-1] == 0.0 and errors[0] < 1
+    x, kwargs = call(half)
+    ref = attn(x, **kwargs)
+    outputs = [relative(rotary_fit.fit_rotary(attn, k).layer(x, **kwargs), ref) for k in (4, 16, DIM - 2)]
+    assert outputs[0] > outputs[1] > outputs[2] > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weight_only_never_worse_than_each_head_keeping_its_strongest_pairs(seed: int) -> None:
+    """At equal q/k parameters (key dim = heads x 2 x pairs kept per head) on random weights, with heads whose
+    scales differ (where the allocation across frequencies matters)."""
+    attn = source(half=bool(seed % 2), bias=bool(seed // 2), seed=seed)
+    with torch.no_grad():  # heads and pairs of unequal strength
+        attn.qkv.weight.mul_(torch.rand(3 * DIM, 1, generator=torch.Generator().manual_seed(seed)) * 2)
+    for kept in range(1, DIM // HEADS // 2):
+        fitted = rotary_fit.fit_rotary(attn, 2 * HEADS * kept)
+        assert fitted.tensor_error <= selection_error(attn, kept) + 1e-9
+        assert fitted.tensor_error < selection_error(attn, kept) - 1e-6  # and strictly better on these weights
+
+
+def test_budget_and_threshold_exact() -> None:
+    name, kwargs = vit_family.ROTARY["DINOv3 with qkv bias"]
+    model = vit_family.create(name, kwargs)
+    full = [attn.num_heads * attn.head_dim for attn in (b.attn for b in model.blocks)]
+    for fraction in (0.1, 0.25, 0.5):
+        _, report = collab_vit.reparametrize(copy.deepcopy(model), f"budget={fraction}", progress=False,
+                                             return_report=True)
+        dims = [r.key_dim for r in report]
+        assert sum(dims) == 2 * int(fraction * sum(full) / 2) and all(d % 2 == 0 and d >= 2 for d in dims)
+    for threshold in (0.5, 0.9):
+        converted, report = collab_vit.reparametrize(copy.deepcopy(model), threshold, progress=False,
+                                                     return_report=True)
+        for r in report:  # the kept energy reaches the threshold, one pair fewer does not
+            assert 1 - r.tensor_error ** 2 >= threshold - 1e-9
+            fewer = rotary_fit.fit_rotary(model.get_submodule(r.name), r.key_dim - 2) if r.key_dim > 2 else None
+            assert fewer is None or 1 - fewer.tensor_error ** 2 < threshold
+
+
+def test_compressed_model_through_reparametrize_and_its_hub_folder(tmp_path: Path) -> None:
+    name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
+    source_model = vit_family.create(name, kwargs)
+    torch.save(source_model.state_dict(), tmp_path / "rope.pth")
+    flags = ["--model", name, "--model-kwargs", *(f"{k}={v}" for k, v in vit_family.SMALL.items())]
+    assert cli_main(["convert", *flags, "--checkpoint", str(tmp_path / "rope.pth"), "--key-dim", "16",
+                     "--out", str(tmp_path / "folder")]) == 0
+    record = json.loads((tmp_path / "folder" / "config.json").read_text())["model_args"]["collaborative_layers"]
+    assert record == {f"blocks.{i}.attn": {"layer": "CollaborativeAttentionRope", "key_dim": 16} for i in range(2)}
+    again = timm.create_model(f"local-dir:{tmp_path / 'folder'}", pretrained=True).eval()
+    converted = collab_vit.reparametrize(copy.deepcopy(source_model), 16, progress=False)
+    x = vit_family.images(3, seed=2)
+    assert torch.equal(vit_family.logits(again, x), vit_family.logits(converted, x))
+    assert not torch.equal(again.blocks[0].attn.pair_freq, torch.arange(8) % 8)  # the fitted frequencies came back
+    assert 0 < relative(vit_family.logits(converted, x), vit_family.logits(source_model, x)) < 1
+
+
+def test_calibrated_recipe_on_rotary_layers() -> None:
+    """The candidates run (weight-only, whitened, the refinement of the better), the chosen one is never worse than
+    weight-only on the held-out images, and the model holds exactly the chosen candidate."""
+    name, kwargs = vit_family.ROTARY["EVA-02 (fused qkv, q/v biases)"]
+    model = vit_family.create(name, kwargs)
+    images = vit_family.images(24, seed=3)
+    recipe = collab_vit.conversion.recipe.Recipe(refine_steps=6, batch_size=8, holdout=8)
+    converted = copy.deepcopy(model)
+    report = collab_vit.conversion.reparam.convert_model(converted, 16, "tucker", images, "default", 0, False, recipe)
+    summary = report.summary
+    kl = summary["candidates"]
+    better = min(("weight", "whitened"), key=lambda start: kl[start])
+    assert set(kl) == {"weight", "whitened", f"{better}+refine"}
+    if summary["chosen"].endswith("+refine"):
+        assert summary["refine"]["steps"] == 6
+    assert kl["weight"] != kl["whitened"]  # the whitened start is a different fit
+    assert summary["held_out_kl"] <= summary["weight_only_kl"]
+    assert summary["candidate_key_dims"]["weight"] == [16, 16]
+    assert all(type(b.attn).__name__ == "CollaborativeEvaAttention" and b.attn.key_dim == 16 for b in converted.blocks)
+    assert all(r.output_error > 0 and r.error_tokens == "8 held-out calibration images" for r in report)
+    weight_only = collab_vit.reparametrize(copy.deepcopy(model), 16, progress=False)
+    if summary["chosen"] == "weight":
+        assert torch.equal(converted(images), weight_only(images))
+    else:
+        assert not torch.equal(converted(images), weight_only(images))
+
+
+def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
+    """``selection_ranks`` at ``K = k H`` counts the heads whose ``k`` strongest pairs hold each frequency, and grows
+    by one pair at a time; the ``"optimal"`` allocation never has a larger summed tensor error."""
+    attn = source(half=False, bias=True, seed=5)
+    freqs = rotary_fit.frequencies(attn)
+    ranks = rotary_fit.selection_ranks(freqs.energy)
+    assert all(sum(r) == k and all(0 <= x <= HEADS for x in r) for k, r in enumerate(ranks))
+    assert all(sum(abs(a - b) for a, b in zip(r, s)) == 1 for r, s in zip(ranks, ranks[1:]))
+    for kept in (1, 2, 3):
+        top = freqs.energy.argsort(dim=0, descending=True)[:kept]
+        assert ranks[kept * HEADS] == [int((top == p).sum()) for p in range(freqs.u.shape[0])]
+    by_selection, optimal = rotary_fit.plan(freqs), rotary_fit.plan(freqs, allocation="optimal")
+    assert bool((optimal.relative_error <= by_selection.relative_error + 1e-12).all())
+    assert bool((optimal.relative_error < by_selection.relative_error - 1e-6).any())
+    with pytest.raises(ValueError, match=r"^allocation must be one of \('selection', 'optimal'\), got 'dp'$"):
+        rotary_fit.plan(freqs, allocation="dp")
