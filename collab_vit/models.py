@@ -63,7 +63,7 @@ ATTENTIONS: dict[str, Type[nn.Module]] = {"collaborative": CollaborativeAttentio
 MLP_LAYERS: dict[str, Any] = {"mlp": Mlp, "swiglu": SwiGLU, "swiglu_packed": partial(GluMlp, gate_last=False)}
 
 
-def _cfg(**kwargs: Any) -> dict[str, Any]:
+def model_cfg(**kwargs: Any) -> dict[str, Any]:
     """Default cfg as timm's DeiT (input 224, bicubic, ImageNet mean/std), evaluated at DeiT's crop 0.875."""
     return {
         "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
@@ -141,9 +141,9 @@ DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/{model_name(size, '')}.fb_in1k",
                            url=f"https://dl.fbaipublicfiles.com/deit/{model_name(size, '')}-{sha}.pth")
                 for size, sha in (("tiny", "a1311bcf"), ("small", "cd65a155"), ("base", "b5f2ef4d"))}
 default_cfgs = generate_default_cfgs({
-    **{f"{name}.fb_in1k": _cfg(**DEIT_WEIGHTS[size], **deit_eval_cfg(size))
+    **{f"{name}.fb_in1k": model_cfg(**DEIT_WEIGHTS[size], **deit_eval_cfg(size))
        for name in COLLAB_MODELS for size in [ModelName.parse(name).size]},
-    **{name: _cfg() for name in CONCAT_MODELS + [GENERIC_MODEL]},
+    **{name: model_cfg() for name in CONCAT_MODELS + [GENERIC_MODEL]},
     CONVERTED_MODEL: {k: v for k, v in _source_cfg(DEFAULT_SOURCE).items() if k != "architecture"},  # the default build
 })
 OWN_MODELS: list[str] = COLLAB_MODELS + CONCAT_MODELS + [GENERIC_MODEL, CONVERTED_MODEL]
@@ -170,7 +170,7 @@ def query_key_params(layer: nn.Module) -> int:
     return rows * (layer.qkv.in_features + bias)
 
 
-def _file_architecture(kwargs: dict[str, Any]) -> None:
+def file_architecture(kwargs: dict[str, Any]) -> None:
     """With ``pretrained_cfg_overlay=dict(file=F)`` of a file this package wrote, default the keyword arguments to
     the architecture it records, and tell timm the file's classes and channels (so it keeps the head as saved)."""
     overlay = dict(kwargs.get("pretrained_cfg_overlay") or {})
@@ -206,7 +206,7 @@ def _create(
     file_read = kwargs.pop("file_read", False)  # collab_vit_generic read the file's keywords itself
     if pretrained:
         if not file_read:
-            _file_architecture(kwargs)
+            file_architecture(kwargs)
     elif kwargs.get("pretrained_cfg") is None:  # not timm's DeiT weights: DeiT's own evaluation (module docstring)
         kwargs["pretrained_cfg_overlay"] = {"crop_pct": EVAL_CROP_PCT, **(kwargs.get("pretrained_cfg_overlay") or {})}
     key_dim: Union[None, int, Sequence[int]] = kwargs.pop("key_dim", fixed_key_dim)
@@ -382,7 +382,7 @@ def collab_vit_generic(pretrained: bool = False, **kwargs) -> CollabVisionTransf
     ``"concatenate"``).
     """
     if pretrained:
-        _file_architecture(kwargs)  # a converted file's recorded keywords, before the generic ones are read
+        file_architecture(kwargs)  # a converted file's recorded keywords, before the generic ones are read
     attention = kwargs.pop("attention", "collaborative")
     mlp_layer = kwargs.pop("mlp_layer", "mlp")
     if attention not in ATTENTIONS or mlp_layer not in MLP_LAYERS:
@@ -412,7 +412,7 @@ def collab_vit_converted(pretrained: bool = False, **kwargs) -> nn.Module:
     to every attention layer of the source at its full rank (randomly initialised, as any model without weights).
     """
     if pretrained:
-        _file_architecture(kwargs)  # a converted file's recorded keywords
+        file_architecture(kwargs)  # a converted file's recorded keywords
     source, layers = kwargs.pop(SOURCE, DEFAULT_SOURCE), kwargs.pop(LAYERS, None)
     if not isinstance(source, str) or ":" in source or source in OWN_MODELS or not timm.is_model(source) or \
             not isinstance(layers, (dict, type(None))):

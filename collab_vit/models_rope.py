@@ -31,7 +31,7 @@ from .checks import positive_int
 from .layers.attention import attention_class
 from .layers.rotary import CollaborativeAttentionRope
 from .layers.weight_decay import exclude_mixing_from_decay
-from .models import EVAL_CROP_PCT, _cfg, _file_architecture, rope_name
+from .models import EVAL_CROP_PCT, file_architecture, model_cfg, rope_name
 
 # timm's RoPE-ViT arguments (``timm.models.eva.vit_{size}_patch16_rope_224``): patch 16, depth 12, axial rope.
 ROPE_VIT: dict[str, Any] = dict(patch_size=16, depth=12, mlp_ratio=4, attn_type="rope", qkv_bias=True,
@@ -47,7 +47,7 @@ _BUILDING = threading.Lock()  # timm's EvaBlock reads ``AttentionRope`` from its
 
 ROPE_MODELS: list[str] = [rope_name(s, v) for s in ROPE_SIZES for v in ROPE_VARIANTS] + [
     rope_name(s, "rope", k) for s in ROPE_SIZES for k in ROPE_GRID[s]]
-default_cfgs = generate_default_cfgs({name: _cfg() for name in ROPE_MODELS})
+default_cfgs = generate_default_cfgs({name: model_cfg() for name in ROPE_MODELS})
 
 
 @contextmanager
@@ -69,7 +69,7 @@ def _create_rope(variant: str, size: str, rope: str, pretrained: bool, fixed_key
     collaborative rotary layer at ``key_dim`` in every block. ``kwargs``: timm's ``Eva`` arguments, ``key_dim`` and
     ``mixing_init``."""
     if pretrained:
-        _file_architecture(kwargs)  # a file this package wrote: the architecture it records
+        file_architecture(kwargs)  # a file this package wrote: the architecture it records
     elif kwargs.get("pretrained_cfg") is None:  # DeiT's evaluation for a model trained from scratch
         kwargs["pretrained_cfg_overlay"] = {"crop_pct": EVAL_CROP_PCT, **(kwargs.get("pretrained_cfg_overlay") or {})}
     key_dim = kwargs.pop("key_dim", fixed_key_dim)

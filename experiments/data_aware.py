@@ -30,7 +30,7 @@ from statistics import fmean
 
 import torch
 
-from runner import ROOT, figure, git_commit, machine, write_json
+from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 
 from collab_vit.cli import calibration_loader
 import torch.nn.functional as F
@@ -252,13 +252,9 @@ def plot(rows: list[dict], top1_source: float, path: Path, images: int = 256) ->
                      and isinstance(r["key_dim"], int))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.2,
                 label=variant + (f" ({n} img)" if n else ""))
-    ax.axhline(top1_source, color="0.4", ls="--", lw=1, label="source")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("key/query dim per layer")
-    ax.set_ylabel("Fashion-MNIST top-1 (%), no fine-tune")
-    ax.set_title(f"Post-hoc conversion: weight-only vs data-aware ({images} calibration images)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    log2_axes(ax, ("key/query dim per layer", "Fashion-MNIST top-1 (%), no fine-tune",
+                   f"Post-hoc conversion: weight-only vs data-aware ({images} calibration images)"),
+              (top1_source, "source"))
     fig.tight_layout()
     fig.savefig(path)
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from statistics import fmean
 
-from runner import ROOT, Cell, env_for_children, figure, git_commit, machine, read_run, run_cells, write_json
+from runner import ROOT, Cell, env_for_children, figure, git_commit, machine, run_cells, write_json
 
 METHODS = ('tucker', 'cp', 'parafac')
 KEY_DIMS = ('48', '32', '16', '0.99', '0.95', '0.9')

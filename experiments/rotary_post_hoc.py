@@ -31,7 +31,7 @@ from statistics import fmean
 import numpy as np
 import torch
 
-from runner import ROOT, figure, git_commit, machine, write_json
+from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 from data_aware import test_set, top1
 
 from collab_vit.cli import calibration_loader
@@ -177,13 +177,9 @@ def plot(rows: list[dict], top1_source: float, path: Path) -> None:
         pts = sorted((r["key_dim"], r["top1"]) for r in rows if r["variant"] == variant)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.2, label=variant)
-    ax.axhline(top1_source, color="0.4", ls="--", lw=1, label="source")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("q/k dims per layer (of 64), equal q/k parameters")
-    ax.set_ylabel("Fashion-MNIST top-1 (%), no fine-tune")
-    ax.set_title("RoPE-ViT converted post hoc: per-frequency form vs each head keeping its strongest pairs")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    log2_axes(ax, ("q/k dims per layer (of 64), equal q/k parameters", "Fashion-MNIST top-1 (%), no fine-tune",
+                   "RoPE-ViT converted post hoc: per-frequency form vs each head keeping its strongest pairs"),
+              (top1_source, "source"))
     fig.tight_layout()
     fig.savefig(path)
 

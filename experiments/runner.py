@@ -157,6 +157,19 @@ def figure(width: float, height: float) -> Any:
     return fig
 
 
+def log2_axes(ax: Any, labels: tuple[str, str, str], reference: Optional[tuple[float, str]] = None) -> None:
+    """The experiments' curves against a key dim or a step count: log2 x axis, ``labels`` (x, y, title), a dashed
+    horizontal ``reference`` (value, label), grid and legend."""
+    if reference is not None:
+        ax.axhline(reference[0], color="0.4", ls="--", lw=1, label=reference[1])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(labels[2])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix('.json.tmp')
     tmp.write_text(json.dumps(obj, indent=1) + '\n')

@@ -296,24 +296,33 @@ def test_spectrum_of_rotary_attention_is_refused_in_one_line() -> None:
         layer_spectra(vit_family.create(*vit_family.ROTARY["EVA-02, separate q/k/v, scale norm"]))
 
 
+ROPE_FLAGS = ["--model", vit_family.ROTARY["RoPE-ViT axial"][0], "--model-kwargs",
+              *(f"{k}={v}" for k, v in vit_family.SMALL.items())]
+
+
+def convert_rope_to_folder(tmp_path: Path, key_dim: int) -> tuple[nn.Module, nn.Module]:
+    """A random-weight RoPE-ViT converted by ``collab-vit convert`` at ``key_dim`` into a hub folder (every layer
+    recorded as a rotary collaborative layer at that key dim): the source, and the folder as timm reloads it."""
+    source = vit_family.create(*vit_family.ROTARY["RoPE-ViT axial"])
+    torch.save(source.state_dict(), tmp_path / "rope.pth")
+    assert cli_main(["convert", *ROPE_FLAGS, "--checkpoint", str(tmp_path / "rope.pth"), "--key-dim", str(key_dim),
+                     "--out", str(tmp_path / "folder")]) == 0
+    record = json.loads((tmp_path / "folder" / "config.json").read_text())["model_args"]["collaborative_layers"]
+    assert record == {f"blocks.{i}.attn": {"layer": "CollaborativeAttentionRope", "key_dim": key_dim}
+                      for i in range(2)}
+    return source, timm.create_model(f"local-dir:{tmp_path / 'folder'}", pretrained=True).eval()
+
+
 def test_convert_cli_rotary_full_rank_and_refusal(tmp_path: Path, capsys, monkeypatch) -> None:
     """``collab-vit convert`` converts a RoPE-ViT's weights exactly into a hub folder timm reloads (the outputs of the
     in-memory conversion, bit for bit), and refuses an odd key dim before loading any weights."""
-    name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
-    source = vit_family.create(name, kwargs)
-    torch.save(source.state_dict(), tmp_path / "rope.pth")
-    flags = ["--model", name, "--model-kwargs", *(f"{k}={v}" for k, v in vit_family.SMALL.items())]
-    assert cli_main(["convert", *flags, "--checkpoint", str(tmp_path / "rope.pth"), "--key-dim", "64",
-                     "--out", str(tmp_path / "folder")]) == 0
-    record = json.loads((tmp_path / "folder" / "config.json").read_text())["model_args"]["collaborative_layers"]
-    assert record == {f"blocks.{i}.attn": {"layer": "CollaborativeAttentionRope", "key_dim": 64} for i in range(2)}
-    again = timm.create_model(f"local-dir:{tmp_path / 'folder'}", pretrained=True).eval()
+    source, again = convert_rope_to_folder(tmp_path, 64)
     x = vit_family.images(3, seed=2)
     assert torch.equal(vit_family.logits(again, x), vit_family.logits(collab_vit.reparametrize(source, progress=False),
                                                                       x))
     monkeypatch.setattr(timm.models._builder, "load_pretrained", lambda *a, **k: pytest.fail("loaded weights"))
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["convert", *flags, "--key-dim", "15", "--out", str(tmp_path / "small")])
+        cli_main(["convert", *ROPE_FLAGS, "--key-dim", "15", "--out", str(tmp_path / "small")])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "rotary attention needs an even key_dim" in err and "\n" not in err
     assert not (tmp_path / "small").exists()

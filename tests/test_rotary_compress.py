@@ -6,11 +6,9 @@ images; a compressed model reloads bit-identically from its hub folder."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
-import timm
 import torch
 import torch.nn as nn
 from timm.layers import AttentionRope
@@ -18,8 +16,8 @@ from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
 
 import collab_vit
 import vit_family
-from collab_vit.cli import main as cli_main
 from collab_vit.conversion import rotary, rotary_fit
+from test_rotary import convert_rope_to_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -117,15 +115,7 @@ def test_budget_and_threshold_exact() -> None:
 
 
 def test_compressed_model_through_reparametrize_and_its_hub_folder(tmp_path: Path) -> None:
-    name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
-    source_model = vit_family.create(name, kwargs)
-    torch.save(source_model.state_dict(), tmp_path / "rope.pth")
-    flags = ["--model", name, "--model-kwargs", *(f"{k}={v}" for k, v in vit_family.SMALL.items())]
-    assert cli_main(["convert", *flags, "--checkpoint", str(tmp_path / "rope.pth"), "--key-dim", "16",
-                     "--out", str(tmp_path / "folder")]) == 0
-    record = json.loads((tmp_path / "folder" / "config.json").read_text())["model_args"]["collaborative_layers"]
-    assert record == {f"blocks.{i}.attn": {"layer": "CollaborativeAttentionRope", "key_dim": 16} for i in range(2)}
-    again = timm.create_model(f"local-dir:{tmp_path / 'folder'}", pretrained=True).eval()
+    source_model, again = convert_rope_to_folder(tmp_path, 16)
     converted = collab_vit.reparametrize(copy.deepcopy(source_model), 16, progress=False)
     x = vit_family.images(3, seed=2)
     assert torch.equal(vit_family.logits(again, x), vit_family.logits(converted, x))
