@@ -78,3 +78,24 @@ def test_the_recipe_reports_the_guard_and_returns_weight_only_when_it_refuses(mo
     assert s["chosen"] == "weight" and s["guard"]["kept"] is False
     weight_only = collab_vit.reparametrize(copy.deepcopy(model), 3, progress=False)
     assert all(torch.equal(v, weight_only.state_dict()[k]) for k, v in guarded.state_dict().items())
+
+
+def candidate(name: str, held: torch.Tensor) -> recipe.Candidate:
+    return recipe.Candidate(name, [], float(held.mean()), held=held)
+
+
+def test_the_kept_candidate_is_the_best_resolved_one() -> None:
+    """A candidate with the lowest mean KL whose win is inside the noise loses to one whose (smaller) win is
+    resolved; with no resolved win the weight-only fit is kept; without the weight-only fit (pinned candidates) the
+    lowest mean KL."""
+    weight, noisy = kls(32, 0.03, 0.3)
+    other, shifted = kls(32, 0.02, 0.005, seed=1)
+    steady = weight - (other - shifted)  # on the same images: a gain of 0.02 +- 0.005 over weight-only
+    pool = [candidate("weight", weight), candidate("whitened+refine", noisy), candidate("whitened", steady)]
+    assert pool[1].held_kl < pool[2].held_kl < pool[0].held_kl
+    kept, verdicts = recipe.choose(pool, 0.95, seed=0)
+    assert kept.name == "whitened" and verdicts["whitened"].kept and not verdicts["whitened+refine"].kept
+    kept, verdicts = recipe.choose(pool[:2], 0.95, seed=0)
+    assert kept.name == "weight" and set(verdicts) == {"whitened+refine"}
+    kept, verdicts = recipe.choose(pool[1:], 0.95, seed=0)
+    assert kept.name == "whitened+refine" and verdicts == {}

@@ -71,7 +71,7 @@ def test_the_sites_use_them():
     with pytest.raises(ValueError, match=r'^max_iter must be a non-negative integer, got -1$'):
         decompose.cp_decompose(torch.ones(2, 4, 2), torch.ones(2, 4, 2), 2, max_iter=-1)
     with pytest.raises(ValueError, match=r'^refine_lr must be a positive finite number, got True$'):
-        refine._refine([], None, None, 1, 1, True, 1, 0, False, '')
+        refine.refine_logits(None, [], torch.ones(1), torch.ones(1), 1, True)
 
 
 def _attention(**kwargs) -> Attention:

@@ -33,6 +33,7 @@ from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
 from .guard import Verdict, held_out_split, judge
 from .refine import per_image_kl, refine_logits
+from .views import augmented_views
 
 # effort: refinement passes over the fitting images (steps = passes x images / batch), and which starts are refined.
 # 80 passes: 280 steps for 224 fitting images at batch 64 (the step counts measured against it: RESULTS.md (b)).
@@ -57,6 +58,8 @@ class Recipe:
     batch_size: int = 64
     amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
     holdout: Optional[int] = None  # held-out images; None: an eighth, 1 to 32 (drawn by the seed: guard.py)
+    views: int = 1  # views of each fitting image the refinement sees, the image itself included (views.py)
+    augment: str = "light"  # the kind of the other views (views.KINDS)
     confidence: float = 0.95  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
@@ -135,105 +138,179 @@ class Candidate:
     held: Optional[Tensor] = None  # the per-image held-out KL
 
 
+@dataclass
+class SourceData:
+    """What the source model gives the recipe before any layer is swapped (``RecipeRun``)."""
+
+    fit: int  # fitting images: the first ones of the seeded order (the rest is held out)
+    inputs: Tensor  # the refinement's inputs: the fitting images and their views (``views.py``)
+    targets: Tensor  # the source's outputs on ``inputs``
+    held_out: int  # held-out images (0: one image, measured on the image it was fitted on)
+    held_images: Tensor
+    held_target: Tensor  # the source's log-probabilities on ``held_images``
+    moments: list  # the fitting images' token moments, per layer
+    held_tokens: list  # the held-out images' tokens, per layer
+    peak: int  # bytes of the held-out tokens
+    seconds: float
+
+
+def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, seed: int
+            ) -> SourceData:
+    """Split ``images`` (held out: by the seed), capture the layers' tokens and the source's outputs, draw the
+    fitting images' views and score them with the source."""
+    n = images.shape[0]
+    fit = split(n, recipe.holdout)
+    images = images[held_out_split(n, seed)]
+    start = time.perf_counter()
+    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=recipe.amp):
+        moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size)
+    if recipe.amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
+        outputs = model_outputs(model, images, recipe.batch_size)
+    inputs = augmented_views(images[:fit], recipe.views, recipe.augment, seed)
+    targets = torch.cat([outputs[:fit], model_outputs(model, inputs[fit:], recipe.batch_size)]) \
+        if inputs.shape[0] > fit else outputs[:fit]
+    held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
+    return SourceData(fit, inputs, targets, n - fit, held_images, F.log_softmax(held_outputs.float(), dim=-1),
+                      moments, held, peak, time.perf_counter() - start)
+
+
+class RecipeRun:
+    """One calibrated conversion under way: the source's data (``capture``: the seed draws the held-out images and the
+    views), and how candidates are fitted (``method``, seeded), refined, installed in ``model`` and measured on the
+    held-out images. ``calibrated`` drives it; the experiments drive it step by step."""
+
+    def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe,
+                 method: str = "tucker", seed: int = 0, builder: Builder = STANDARD) -> None:
+        self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
+        self.builder, self.originals = builder, [attn for _, attn in layers]
+        self.source = capture(model, layers, images, recipe, seed)
+        patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
+        weight = recipe.prefix_weight
+        if weight == "balanced" and patches is None:
+            weight = 1.0  # the rule needs the patch count; without it every token counts alike
+        self.prefix_weight = prefix_weight_for(weight, prefix_tokens(model), patches)
+        self.progress, self.bar = False, None  # progress bars (``calibrated`` sets them)
+        self.dims_from = "given"
+
+    def dims(self, spec: KeyDimSpec) -> dict[str, list[int]]:
+        """Each start's key dims (``start_dims``, or the builder's); where they came from: ``dims_from``."""
+        dims, self.dims_from = (self.builder.dims or start_dims)(self.layers, as_spec(spec), self.source.moments,
+                                                                 self.recipe.ridge, self.prefix_weight)
+        return dims
+
+    def install(self, fits: list[LayerFit]) -> None:
+        for (name, _), fitted in zip(self.layers, fits):
+            replace_submodule(self.model, name, fitted.layer.eval())
+
+    def measure(self, candidate: Candidate) -> Candidate:
+        """``candidate`` installed and scored on the held-out images (its per-image KL and their mean)."""
+        self.install(candidate.fits)
+        candidate.held = per_image_kl(self.model, self.source.held_images, self.source.held_target,
+                                      self.recipe.batch_size)
+        candidate.held_kl = float(candidate.held.mean())
+        return candidate
+
+    def fit_start(self, name: str, dims: list[int]) -> Candidate:
+        """The closed-form candidate ``name`` (``STARTS``) at ``dims``, measured."""
+        fit_layer, sides_of = self.builder.fit or fit_attention, self.builder.sides or whitening
+        options = dict(seed=self.seed, **self.recipe.decomposition)
+        fits = []
+        for (_, attn), rank, moments in zip(self.layers, dims, self.source.moments):
+            sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
+            fits.append(fit_layer(attn, rank, self.method, sides, **options))
+            if self.bar is not None:
+                self.bar.update()
+        return self.measure(Candidate(name, fits))
+
+    def refined(self, base: Candidate, steps: int, on_step: Optional[Callable[[int], None]] = None) -> Candidate:
+        """``base`` refined by ``steps`` steps on the fitting images' views (a copy: ``base`` is unchanged), measured;
+        ``on_step`` as ``refine_logits``'s."""
+        fits = [copy.copy(f) for f in base.fits]
+        for f in fits:
+            f.layer = copy.deepcopy(f.layer)
+        self.install(fits)
+        r = self.recipe
+        result = refine_logits(self.model, [f.layer for f in fits], self.source.inputs, self.source.targets, steps,
+                               r.refine_lr, r.batch_size, self.seed, self.progress, on_step)
+        for (_, attn), f in zip(self.layers, fits):
+            f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
+        return self.measure(Candidate(f"{base.name}+refine", fits, refine={
+            "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "views": r.views,
+            "augment": r.augment, "kl_before": result.kl_before, "kl_after": result.kl_after,
+            "kept_start": result.kept_start}))
+
+    def finish(self, best: Candidate) -> None:
+        """``best`` installed for good; the source layers back in eval mode."""
+        self.install(best.fits)
+        for original in self.originals:
+            original.eval()
+
+
+def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Candidate, dict[str, Verdict]]:
+    """The candidate kept and the guard's verdict on every other one (``guard.judge`` against the weight-only fit):
+    of the candidates whose held-out gain over the weight-only fit is resolved, the one with the lowest held-out KL;
+    the weight-only fit where none is. Without the weight-only fit in ``pool`` (pinned candidates) there is nothing
+    to judge against: the lowest held-out KL."""
+    reference = next((c for c in pool if c.name == "weight"), None)
+    if reference is None:
+        return min(pool, key=lambda c: c.held_kl), {}
+    verdicts = {c.name: judge(c.name, reference.held, c.held, confidence, seed) for c in pool if c is not reference}
+    resolved = [c for c in pool if c is not reference and verdicts[c.name].kept]
+    return (min(resolved, key=lambda c: c.held_kl) if resolved else reference), verdicts
+
+
 def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyDimSpec, method: str, images: Tensor,
                effort: str, seed: int, progress: bool, recipe: Recipe, builder: Builder = STANDARD
                ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
     """Fit, refine and measure the candidates at the key dims of ``spec`` (thresholds and budgets: each start's own
-    spectra, ``start_dims``); swap the best into ``model``. Returns its fits, the held-out tokens of every layer (for
-    the report's output errors) and a summary (key dims, candidates, held-out KL, which won, by how much)."""
-    fit = split(images.shape[0], recipe.holdout)
-    images = images[held_out_split(images.shape[0], seed)]  # which images are held out: by the seed
-    held_images = images[fit:] if fit < images.shape[0] else images
-    start = time.perf_counter()
-    device_type = next(model.parameters()).device.type
-    with torch.autocast(device_type, torch.bfloat16, enabled=recipe.amp):
-        moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size)
-    if recipe.amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
-        outputs = model_outputs(model, images, recipe.batch_size)
-    targets = outputs[:fit]
-    held_target = F.log_softmax((outputs[fit:] if fit < images.shape[0] else outputs).float(), dim=-1)
-    captured = time.perf_counter() - start
-    options = dict(seed=seed, **recipe.decomposition)
-    patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
-    weight = recipe.prefix_weight
-    if weight == "balanced" and patches is None:
-        weight = 1.0  # the rule needs the patch count; without it every token counts alike
-    weight = prefix_weight_for(weight, prefix_tokens(model), patches)
-    fit_layer, sides_of = builder.fit or fit_attention, builder.sides or whitening
-    dims, dims_from = (builder.dims or start_dims)(layers, as_spec(spec), moments, recipe.ridge, weight)
+    spectra, ``start_dims``); swap the one ``choose`` keeps into ``model``. Returns its fits, the held-out tokens of
+    every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
+    verdicts, which won, by how much)."""
+    run = RecipeRun(model, layers, images, recipe, method, seed, builder)
+    dims = run.dims(spec)
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     starts = [s for s in STARTS if pinned is None or any(c.split("+")[0] == s for c in pinned)]
-    originals = [attn for _, attn in layers]
-
-    def install(fits: list[LayerFit]) -> None:
-        for (name, _), fitted in zip(layers, fits):
-            replace_submodule(model, name, fitted.layer.eval())
-
-    def measure(candidate: Candidate) -> Candidate:
-        install(candidate.fits)
-        candidate.held = per_image_kl(model, held_images, held_target, recipe.batch_size)
-        candidate.held_kl = float(candidate.held.mean())
-        return candidate
-
-    bar = tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}", disable=not progress)
-    found: dict[str, Candidate] = {}
-    with torch.autocast(device_type, enabled=False):  # the fits, the refinement and the measures at full precision
-        for start_name in starts:
-            fits = []
-            for (_, attn), rank, layer_moments in zip(layers, dims[start_name], moments):
-                sides = sides_of(layer_moments, recipe.ridge, weight) if start_name == "whitened" else None
-                fits.append(fit_layer(attn, rank, method, sides, **options))
-                bar.update()
-            found[start_name] = measure(Candidate(start_name, fits))
-        bar.close()
+    steps = refine_steps(recipe, effort, run.source.fit)
+    run.progress, run.bar = progress, tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}",
+                                           disable=not progress)
+    with torch.autocast(next(model.parameters()).device.type, enabled=False):  # fits, refinement and measures
+        found = {name: run.fit_start(name, dims[name]) for name in starts}  # at full precision
+        run.bar.close()
         ranked = sorted(starts, key=lambda s: found[s].held_kl)
-        steps = refine_steps(recipe, effort, fit)
         refined = [c for c in pinned if c.endswith("+refine")] if pinned is not None else (
             candidate_names(effort, ranked) if steps else [])
         for name in refined:
-            base = found[name.split("+")[0]]
-            fits = [copy.copy(f) for f in base.fits]
-            for f in fits:
-                f.layer = copy.deepcopy(f.layer)
-            install(fits)
-            result = refine_logits(model, [f.layer for f in fits], images[:fit], targets, steps, recipe.refine_lr,
-                                   recipe.batch_size, seed, progress)
-            for (_, attn), f in zip(layers, fits):
-                f.tensor_error = (builder.tensor_error or tensor_error)(attn, f.layer)
-            found[name] = measure(Candidate(name, fits, refine={
-                "steps": result.steps, "lr": recipe.refine_lr, "seconds": result.seconds,
-                "kl_before": result.kl_before, "kl_after": result.kl_after, "kept_start": result.kept_start}))
-    pool = [found[c] for c in pinned] if pinned is not None else list(found.values())
-    best = min(pool, key=lambda c: c.held_kl)  # weight-only first: another candidate wins only if strictly better
-    reference = found.get("weight")
-    verdict = guarded(best, reference, recipe.confidence, seed)
-    if verdict is not None and not verdict.kept:
-        best = reference
-    install(best.fits)
-    for original in originals:
-        original.eval()
+            found[name] = run.refined(found[name.split("+")[0]], steps)
+    best, verdicts = choose([found[c] for c in pinned] if pinned is not None else list(found.values()),
+                            recipe.confidence, seed)
+    run.finish(best)
+    return best.fits, run.source.held_tokens, summarize(run, found, best, verdicts, effort, steps if refined else 0)
+
+
+def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verdicts: dict[str, Verdict],
+              effort: str, steps: int) -> dict:
+    """The report's summary of a calibrated conversion (``ConversionReport.summary``); ``guard``: the verdict on the
+    candidate kept, or, where the weight-only fit was kept, on the candidate with the lowest held-out KL."""
+    source, recipe, reference = run.source, run.recipe, found.get("weight")
     summary = {
-        "images_fit": fit, "images_held_out": images.shape[0] - fit,
-        "measured_on": "held-out calibration images" if fit < images.shape[0] else "the fitting images (one image)",
-        "key_dims_from": dims_from if dims_from == "given" else f"{dims_from} ({best.name.split('+')[0]} spectra)",
+        "images_fit": source.fit, "images_held_out": source.held_out,
+        "measured_on": "held-out calibration images" if source.held_out else "the fitting images (one image)",
+        "key_dims_from": run.dims_from if run.dims_from == "given" else
+        f"{run.dims_from} ({best.name.split('+')[0]} spectra)",
         "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
-        "prefix_weight": weight, "ridge": recipe.ridge, "amp": recipe.amp,
-        "peak_token_bytes": peak, "capture_seconds": captured, "refine_steps": steps if refined else 0,
+        "prefix_weight": run.prefix_weight, "ridge": recipe.ridge, "amp": recipe.amp,
+        "views": recipe.views, "augment": recipe.augment, "refine_images": source.inputs.shape[0],
+        "peak_token_bytes": source.peak, "capture_seconds": source.seconds, "refine_steps": steps,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
         "held_out_kl": best.held_kl,
         "weight_only_kl": None if reference is None else reference.held_kl,
         "gain_over_weight_only": None if reference is None else reference.held_kl - best.held_kl,
     }
-    if verdict is not None:
-        summary["guard"] = verdict.as_dict()
+    shown = best.name if best.name in verdicts else min(verdicts, key=lambda c: found[c].held_kl, default=None)
+    if shown is not None and (shown == best.name or found[shown].held_kl < best.held_kl):
+        summary["guard"] = verdicts[shown].as_dict()
+    if verdicts:
+        summary["verdicts"] = {name: v.as_dict() for name, v in verdicts.items()}
     if best.refine is not None:
         summary["refine"] = best.refine
-    return best.fits, held, summary
-
-
-def guarded(best: Candidate, reference: Optional[Candidate], confidence: float, seed: int) -> Optional[Verdict]:
-    """The guard's verdict on the best candidate against the weight-only fit (``guard.judge``); None where there is
-    nothing to judge (the best is the weight-only fit, or it was not a candidate)."""
-    if reference is None or best is reference:
-        return None
-    return judge(best.name, reference.held, best.held, confidence, seed)
+    return summary

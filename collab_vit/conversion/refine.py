@@ -8,14 +8,14 @@ recipe also uses to pick its candidate on held-out images. (Layer-wise losses an
 measured and lost: RESULTS.md (b).)
 
 Adam on random minibatches drawn from a seeded generator, so a run is deterministic given its seed on one device.
-The mean loss over all fitting images is evaluated before and after; if the steps made it worse (seen where the
+The mean KL over all the refinement's images is evaluated before and after; if the steps made it worse (seen where the
 closed form is already close, e.g. key dim D/4 on Fashion-MNIST: RESULTS.md), the starting weights are restored.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -26,44 +26,17 @@ from tqdm import tqdm
 from ..checks import nonnegative_int, positive_real
 from ..layers.attention import CollaborativeAttention
 
+
 @dataclass
 class RefineResult:
     steps: int
     seconds: float
     first_loss: float
     last_loss: float
-    kl_before: float  # mean loss (KL for the KL losses) over all the fitting images, before the steps
+    kl_before: float  # mean KL over all the refinement's images, before the steps
     kl_after: float  # and after them
     kept_start: bool  # the steps made the mean loss worse: the starting weights were restored
     losses: list[float] = field(default_factory=list)
-
-
-def _refine(params: list[nn.Parameter], batch_loss: Callable[[Tensor], Tensor], full_loss: Callable[[], float],
-            count: int, steps: int, lr: float, batch_size: int, seed: int, progress: bool, desc: str) -> RefineResult:
-    """Adam on ``params``: ``steps`` minibatches of ``batch_size`` indices in ``range(count)`` (seeded), the guard."""
-    steps = nonnegative_int(steps, "refine_steps")
-    lr = positive_real(lr, "refine_lr")
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.Adam(params, lr=lr)
-    losses: list[float] = []
-    start = time.perf_counter()
-    before = full_loss()
-    start_weights = [p.detach().clone() for p in params]
-    for step in tqdm(range(steps), desc=desc, disable=not progress):
-        index = torch.randperm(count, generator=generator)[:batch_size]
-        loss = batch_loss(index)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    after = full_loss()
-    if after > before:
-        with torch.no_grad():
-            for p, start_weight in zip(params, start_weights):
-                p.copy_(start_weight)
-    seconds = time.perf_counter() - start
-    return RefineResult(steps, seconds, losses[0] if losses else float("nan"),
-                        losses[-1] if losses else float("nan"), before, after, after > before, losses)
 
 
 class _Trainable:
@@ -108,22 +81,44 @@ def mean_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -
 
 
 def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images: Tensor, targets: Tensor,
-                  steps: int, lr: float = 1e-3, batch_size: int = 64, seed: int = 0,
-                  progress: bool = True) -> RefineResult:
+                  steps: int, lr: float = 1e-3, batch_size: int = 64, seed: int = 0, progress: bool = True,
+                  on_step: Optional[Callable[[int], None]] = None) -> RefineResult:
     """``steps`` Adam steps on the ``W~q, W~k, M`` of ``layers`` so that ``model(images)`` matches ``targets`` (KL).
 
-    ``model`` runs in eval mode (no dropout); the other parameters get no gradient and are left unchanged. Returns
-    the loss of every step (the minibatch's, before its update).
+    ``model`` runs in eval mode (no dropout); the other parameters get no gradient and are left unchanged. Each step
+    takes ``batch_size`` images drawn by a generator seeded with ``seed``; ``on_step(k)`` is called after step ``k``
+    (the experiments read the model there). The mean KL over all ``images`` before and after the steps decides
+    whether the starting weights are restored (module docstring). Returns the loss of every step (the minibatch's,
+    before its update).
     """
+    steps = nonnegative_int(steps, "refine_steps")
+    lr = positive_real(lr, "refine_lr")
     params = [p for layer in layers for p in (layer.query.weight, layer.key.weight, layer.mixing)]
     device = params[0].device
     target = F.log_softmax(targets.float(), dim=-1)
-
-    def batch_loss(index: Tensor) -> Tensor:
-        logits = model(images[index].to(device))
-        return F.kl_div(F.log_softmax(logits.float(), dim=-1), target[index].to(device), log_target=True,
-                        reduction="batchmean")
-
+    generator = torch.Generator().manual_seed(seed)
+    losses: list[float] = []
     with _Trainable([model], params):
-        return _refine(params, batch_loss, lambda: mean_kl(model, images, target, batch_size), images.shape[0],
-                       steps, lr, batch_size, seed, progress, "refine (KL to the source logits)")
+        start = time.perf_counter()
+        before = mean_kl(model, images, target, batch_size)
+        start_weights = [p.detach().clone() for p in params]
+        optimizer = torch.optim.Adam(params, lr=lr)
+        for step in tqdm(range(steps), desc="refine (KL to the source logits)", disable=not progress):
+            index = torch.randperm(images.shape[0], generator=generator)[:batch_size]
+            logits = model(images[index].to(device))
+            loss = F.kl_div(F.log_softmax(logits.float(), dim=-1), target[index].to(device), log_target=True,
+                            reduction="batchmean")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(step + 1)
+        after = mean_kl(model, images, target, batch_size)
+        if after > before:
+            with torch.no_grad():
+                for p, start_weight in zip(params, start_weights):
+                    p.copy_(start_weight)
+        seconds = time.perf_counter() - start
+    return RefineResult(steps, seconds, losses[0] if losses else float("nan"),
+                        losses[-1] if losses else float("nan"), before, after, after > before, losses)

@@ -1,0 +1,82 @@
+"""experiments/recipe_holds.py (issue 34): its snapshots are the package's recipe to the bit, and its
+leave-one-source-out choice never looks at the source it reports."""
+import copy
+import json
+import os
+import sys
+from statistics import fmean
+
+import pytest
+import torch
+
+from test_data_aware_experiment import tiny_source
+from test_experiments import ROOT, run, tiny_fashion_mnist  # noqa: F401  (the fixture)
+
+sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+import recipe_holds  # noqa: E402
+from recipe_holds import Setting, leave_one_out  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+GRID = ['--key-dims', '4', '--images', '24', '--holdouts', '6', '--views', 'plain', 'crop:2', '--lrs', '1e-3',
+        '--passes', '8', '16']
+
+
+def test_leave_one_out_never_uses_the_source_it_reports() -> None:
+    """Source a alone favours setting x by far; the others favour y: a's figures come from y, and each other
+    source's from the setting best on the rest; the default (all sources) is the best mean overall."""
+    x, y = Setting(32, 'plain', 1e-3, 80), Setting(32, 'crop', 1e-3, 80)
+    table = {('a', 8): {x: 2.0, y: -0.1}, ('b', 8): {x: -0.2, y: 0.3}, ('c', 8): {x: -0.1, y: 0.2}}
+    chosen = leave_one_out(table)
+    assert chosen['a'] == y and chosen['b'] == x and chosen['c'] == x and chosen['all'] == x
+    table[('a', 8)][x] = 0.0  # a no longer favours x: now y everywhere
+    assert set(leave_one_out(table).values()) == {y}
+
+
+def sharp_source(tmp_path) -> str:
+    """The experiments' tiny random source with weights large enough that its outputs are far from uniform (the KLs
+    the recipe compares are then well above round-off)."""
+    from safetensors.torch import load_file, save_file
+    path = tiny_source(tmp_path)
+    weights = load_file(str(path))
+    generator = torch.Generator().manual_seed(0)
+    for name in ('blocks.0.attn.qkv.weight', 'head.weight'):
+        weights[name] = torch.randn(weights[name].shape, generator=generator)
+    from safetensors import safe_open
+    with safe_open(str(path), 'pt') as f:
+        metadata = f.metadata()
+    save_file(weights, str(path), metadata)
+    return path
+
+
+def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    source, results = sharp_source(tmp_path), tmp_path / 'results'
+    for name in ('a', 'b'):
+        run('recipe_holds.py', 'grid', '--source', source, '--name', name, '--data-dir', tiny_fashion_mnist,
+            '--results', results, *GRID)
+    row = json.loads((results / 'a' / 'k4_h6_cropx2_lr0.001.json').read_text())
+    assert row['fit'] == 18 and [s['steps'] for s in row['snapshots']] == [3, 5]
+    assert len(row['snapshots'][0]['held']) == 6
+    out = run('recipe_holds.py', 'choose', '--results', results)
+    loso = (results / 'loso.md').read_text()
+    assert 'Chosen on all sources' in loso and loso.count('| a | 4 |') == 1 and loso.count('| b | ') == 2
+    assert '## Views at equal steps' in out and (results / 'loso.png').stat().st_size > 10_000
+
+    # the snapshot at 16 passes is what the package's recipe returns with that many steps, to the bit
+    from collab_vit.conversion.files import load_source
+    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.reparam import convert_model
+    from data_aware import test_set, top1
+
+    model, _, _, meta = load_source(None, str(source))
+    images = recipe_holds.calibration_images(recipe_holds.calibration_loader(
+        'torch/fashion_mnist', str(tiny_fashion_mnist), 'train', 24, model, meta.get('data_config'), 0), (1, 28, 28))
+    converted = copy.deepcopy(model)
+    torch.set_num_threads(1)
+    report = convert_model(converted, 4, 'tucker', images, 'default', 0, False,
+                           Recipe(holdout=6, views=2, augment='crop', refine_steps=5))
+    snap = row['snapshots'][1]
+    refined = f"{row['refined_from']}+refine"
+    assert report.summary['candidates'][refined] == fmean(snap['held'])
+    name, top = recipe_holds.replay(row, 16)
+    assert report.summary['chosen'] == name and top1(converted, *test_set(str(tiny_fashion_mnist), model, meta)) == top
