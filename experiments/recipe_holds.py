@@ -23,10 +23,10 @@ import argparse
 import copy
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from statistics import fmean
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,8 @@ from collab_vit.conversion.reparam import probe_input_size, timm_attention_layer
 
 KEY_DIMS = (8, 4)
 IMAGES = 256
+HELD_VIEWS = 8  # the grid scores the held-out images alone and with this many views each
+CONFIDENCES = (0.9, 0.95)
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,15 @@ class Setting:
     """One choice of the recipe's constants."""
 
     holdout: int
-    views: str
+    views: str  # the refinement's inputs
     lr: float
     passes: int
+    held_views: int = 1  # the guard's views per held-out image
+    confidence: float = 0.95  # the guard's
 
     def label(self) -> str:
-        return f"held {self.holdout}, {self.views}, lr {self.lr:g}, {self.passes} passes"
+        return (f"held {self.holdout} x {self.held_views} views, {self.views}, lr {self.lr:g}, {self.passes} passes, "
+                f"confidence {self.confidence:g}")
 
 
 def views_of(spec: str) -> tuple[int, str]:
@@ -70,8 +75,18 @@ def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, 
     return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}.json"
 
 
+def scores(run: RecipeRun) -> dict:
+    """The model as it stands scored on the held-out images, per image: ``held``, the images alone (what the guard
+    sees with ``held_views=1``), and ``held_views``, the mean over each image's views (the run's ``held_views``)."""
+    source, batch = run.source, run.recipe.batch_size  # as the recipe measures, so the numbers are its own to the bit
+    h = source.held_inputs.shape[0] // run.recipe.held_views
+    held = per_image_kl(run.model, source.held_inputs[:h], source.held_target[:h], batch)
+    views = per_image_kl(run.model, source.held_inputs, source.held_target, batch)
+    return {"held": held.tolist(), "held_views": views.view(run.recipe.held_views, -1).mean(0).tolist()}
+
+
 def trajectory(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -> tuple[list[dict], dict]:
-    """``base`` refined for the most ``passes``; at each snapshot the per-image held-out KL, the mean KL over the
+    """``base`` refined for the most ``passes``; at each snapshot the held-out ``scores``, the mean KL over the
     refinement's inputs and the test top-1 of the model as it stands."""
     steps = {math.ceil(p * run.source.fit / run.recipe.batch_size): p for p in passes}
     if len(steps) < len(passes):
@@ -81,10 +96,8 @@ def trajectory(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) 
 
     def on_step(step: int) -> None:
         if step in steps:
-            batch = run.recipe.batch_size  # as the recipe measures, so the numbers are the recipe's to the bit
-            held = per_image_kl(run.model, run.source.held_images, run.source.held_target, batch)
-            snapshots.append({"passes": steps[step], "steps": step, "held": held.tolist(),
-                              "kl_fit": mean_kl(run.model, run.source.inputs, target, batch),
+            snapshots.append({"passes": steps[step], "steps": step, **scores(run),
+                              "kl_fit": mean_kl(run.model, run.source.inputs, target, run.recipe.batch_size),
                               "top1": top1(run.model, *test)})
 
     refined = run.refined(base, max(steps), on_step)
@@ -102,51 +115,57 @@ def grid(args: argparse.Namespace) -> None:
     print(f"{args.name}: source top-1 {source_top1:.2f}", flush=True)
     for key_dim in args.key_dims:
         for holdout in args.holdouts:
-            starts: dict[str, dict] = {}
-            found: dict[str, Candidate] = {}
+            fits: dict[str, Candidate] = {}
+            start_top1: dict[str, float] = {}
             for views in args.views:
-                todo = [lr for lr in args.lrs if not cell_path(args.results, args.name, key_dim, holdout, views,
-                                                                lr).exists()]
-                if not todo:
-                    continue
                 count, kind = views_of(views)
-                for lr in todo:
+                for lr in args.lrs:
+                    path = cell_path(args.results, args.name, key_dim, holdout, views, lr)
+                    if path.exists():
+                        continue
                     model = copy.deepcopy(source).eval()  # the source's layers: capture reads them
-                    layers = timm_attention_layers(model)
-                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr)
-                    run = RecipeRun(model, layers, images, recipe, "tucker", args.seed)
-                    if not found:
+                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS)
+                    run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
+                    if not fits:
                         dims = run.dims(key_dim)
                         for name in ("weight", "whitened"):
-                            found[name] = run.fit_start(name, dims[name])
-                            starts[name] = {"held": found[name].held.tolist(), "top1": top1(model, *test)}
-                    base = min(found.values(), key=lambda c: c.held_kl)
-                    snapshots, refine = trajectory(run, base, args.passes, test)
+                            fits[name] = run.fit_start(name, dims[name])
+                            start_top1[name] = top1(model, *test)
+                    starts = {}
+                    for name, candidate in fits.items():  # scored on this run's held-out views
+                        run.measure(candidate)
+                        starts[name] = {**scores(run), "top1": start_top1[name]}
+                    base = min(fits, key=lambda n: fmean(starts[n]["held_views"]))
+                    snapshots, refine = trajectory(run, fits[base], args.passes, test)
                     row = {"source": args.name, "source_top1": source_top1, "key_dim": key_dim, "holdout": holdout,
-                           "views": views, "lr": lr, "images": args.images, "fit": run.source.fit, "starts": starts,
-                           "refined_from": base.name, "kl_before": refine["kl_before"], "snapshots": snapshots,
-                           "seconds": refine["seconds"], "commit": git_commit(), "machine": machine()}
-                    cell_path(args.results, args.name, key_dim, holdout, views, lr).parent.mkdir(parents=True,
-                                                                                                  exist_ok=True)
-                    write_json(cell_path(args.results, args.name, key_dim, holdout, views, lr), row)
+                           "views": views, "lr": lr, "images": args.images, "fit": run.source.fit,
+                           "held_views": HELD_VIEWS, "starts": starts, "refined_from": base,
+                           "refined_from_plain": min(fits, key=lambda n: fmean(starts[n]["held"])),
+                           "kl_before": refine["kl_before"], "snapshots": snapshots, "seconds": refine["seconds"],
+                           "commit": git_commit(), "machine": machine()}
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    write_json(path, row)
                     refined = " / ".join(f"{s['top1']:.2f}" for s in snapshots)
                     print(f"{args.name} k{key_dim} held {holdout} {views} lr {lr:g}: weight "
-                          f"{starts['weight']['top1']:.2f}, {base.name} {starts[base.name]['top1']:.2f}, refined "
+                          f"{starts['weight']['top1']:.2f}, {base} {starts[base]['top1']:.2f}, refined "
                           f"{refined} at {args.passes} passes, {refine['seconds']:.0f} s", flush=True)
 
 
-def replay(row: dict, passes: int, confidence: float = 0.95, seed: int = 0) -> tuple[str, float]:
-    """The candidate the recipe keeps at ``passes`` and its test top-1 (``recipe.choose`` on the stored KLs)."""
-    snap = next(s for s in row["snapshots"] if s["passes"] == passes)
-    base = row["starts"][row["refined_from"]]
-    kept_start = snap["kl_fit"] > row["kl_before"]
-    refined = base if kept_start else snap
-    top1s = {name: s["top1"] for name, s in row["starts"].items()}
-    top1s[f"{row['refined_from']}+refine"] = refined["top1"]
-    pool = [Candidate(name, [], fmean(s["held"]), held=torch.tensor(s["held"], dtype=torch.float64))
-            for name, s in [*row["starts"].items(), (f"{row['refined_from']}+refine", refined)]]
-    best, _ = choose(pool, confidence, seed)
-    return best.name, top1s[best.name]
+def replay(row: dict, setting: Setting, seed: int = 0) -> Optional[tuple[str, float]]:
+    """The candidate the recipe keeps under ``setting`` (its passes and guard) and its test top-1 (``recipe.choose``
+    on the stored per-image KLs); None where the grid did not run what the package would (a guard on the images
+    alone that ranks the starts the other way round, so the package would have refined the other start)."""
+    field = "held" if setting.held_views == 1 else "held_views"
+    if field == "held" and row["refined_from_plain"] != row["refined_from"]:
+        return None
+    snap = next(s for s in row["snapshots"] if s["passes"] == setting.passes)
+    refined_name = f"{row['refined_from']}+refine"
+    refined = row["starts"][row["refined_from"]] if snap["kl_fit"] > row["kl_before"] else snap  # start kept
+    entries = {**row["starts"], refined_name: refined}
+    pool = [Candidate(name, [], fmean(e[field]), held=torch.tensor(e[field], dtype=torch.float64))
+            for name, e in entries.items()]
+    best, _ = choose(pool, setting.confidence, seed)
+    return best.name, entries[best.name]["top1"]
 
 
 def load_rows(results: Path) -> list[dict]:
@@ -159,8 +178,12 @@ def outcomes(rows: Iterable[dict]) -> dict[tuple[str, int], dict[Setting, float]
     for row in rows:
         weight = row["starts"]["weight"]["top1"]
         for snap in row["snapshots"]:
-            setting = Setting(row["holdout"], row["views"], row["lr"], snap["passes"])
-            table.setdefault((row["source"], row["key_dim"]), {})[setting] = replay(row, snap["passes"])[1] - weight
+            for held_views in (1, row["held_views"]):
+                for confidence in CONFIDENCES:
+                    setting = Setting(row["holdout"], row["views"], row["lr"], snap["passes"], held_views, confidence)
+                    kept = replay(row, setting)
+                    if kept is not None:
+                        table.setdefault((row["source"], row["key_dim"]), {})[setting] = kept[1] - weight
     return table
 
 
@@ -169,7 +192,7 @@ def leave_one_out(table: dict[tuple[str, int], dict[Setting, float]]) -> dict[st
     among the settings measured on every source; ties go to the first in a fixed order (fewer passes first)."""
     sources = sorted({s for s, _ in table})
     common = set.intersection(*(set(v) for v in table.values()))
-    order = sorted(common, key=lambda c: (c.passes, c.holdout, c.views, c.lr))
+    order = sorted(common, key=lambda c: (c.passes, c.holdout, c.views, c.lr, c.held_views, -c.confidence))
     chosen = {}
     for held_out in [*sources, None]:
         cells = [v for (s, _), v in table.items() if s != held_out]
@@ -201,7 +224,7 @@ def main() -> None:
         report(args.results)
 
 
-OLD = Setting(32, "plain", 1e-3, 80)  # the constants before this experiment
+OLD = Setting(32, "plain", 1e-3, 80, 1, 0.95)  # the constants before this experiment
 
 
 def report(results: Path) -> None:
@@ -211,7 +234,7 @@ def report(results: Path) -> None:
     weights = {(r["source"], r["key_dim"]): r["starts"]["weight"]["top1"] - r["source_top1"] for r in rows}
     source_top1 = {r["source"]: r["source_top1"] for r in rows}
     settings = sorted(set.intersection(*(set(v) for v in table.values())),
-                      key=lambda c: (c.passes, c.holdout, c.views, c.lr))
+                      key=lambda c: (c.passes, c.holdout, c.views, c.lr, c.held_views, -c.confidence))
     lines = ["# The recipe's constants by leave-one-source-out (experiments/recipe_holds.py)", "",
              f"{len(settings)} settings measured on every source: held-out images "
              f"{sorted({c.holdout for c in settings})} of {rows[0]['images']}, "
@@ -237,9 +260,26 @@ def report(results: Path) -> None:
                      f"{weight + values[chosen['all']]:+.2f} | "
                      f"{'—' if OLD not in values else f'{weight + values[OLD]:+.2f}'} |")
     lines += ["", f"Targets met in {sum(verdicts)} of {len(verdicts)} cells.", ""]
-    (results / "loso.md").write_text("\n".join(lines) + "\n" + views_table(table, chosen["all"]))
+    (results / "loso.md").write_text("\n".join(lines) + "\n" + sensitivity_table(table, chosen["all"]) + "\n" +
+                                     views_table(table, chosen["all"]))
     plot(table, chosen["all"], results / "loso.png")
     print((results / "loso.md").read_text())
+
+
+def sensitivity_table(table: dict[tuple[str, int], dict[Setting, float]], best: Setting) -> str:
+    """Each constant varied alone around ``best``: the mean and the worst gain over weight-only across every source
+    and key dim."""
+    lines = ["## Each constant alone", "", f"Around the all-source choice ({best.label()}): recipe top-1 minus "
+             "weight-only, mean and worst over every source and key dim.", "",
+             "| constant | value | mean | worst |", "|---|---|---:|---:|"]
+    for f in fields(Setting):
+        for value in sorted({getattr(c, f.name) for v in table.values() for c in v}):
+            setting = replace(best, **{f.name: value})
+            gains = [v[setting] for v in table.values() if setting in v]
+            if len(gains) == len(table):
+                mark = " (chosen)" if value == getattr(best, f.name) else ""
+                lines.append(f"| {f.name} | {value}{mark} | {fmean(gains):+.3f} | {min(gains):+.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Setting) -> str:
@@ -249,10 +289,9 @@ def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Settin
              f"{best.passes} passes, by the refinement's inputs:", "",
              "| source | key dim | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
     for (name, key_dim), values in sorted(table.items()):
-        cells = [values.get(Setting(best.holdout, k, best.lr, best.passes)) for k in kinds]
+        cells = [values.get(replace(best, views=k)) for k in kinds]
         lines.append(f"| {name} | {key_dim} | " + " | ".join("—" if c is None else f"{c:+.2f}" for c in cells) + " |")
-    means = [[v[Setting(best.holdout, k, best.lr, best.passes)] for v in table.values()
-              if Setting(best.holdout, k, best.lr, best.passes) in v] for k in kinds]
+    means = [[v[replace(best, views=k)] for v in table.values() if replace(best, views=k) in v] for k in kinds]
     lines.append("| mean | | " + " | ".join(f"{fmean(m):+.3f}" if m else "—" for m in means) + " |")
     return "\n".join(lines) + "\n"
 
@@ -266,7 +305,7 @@ def plot(table: dict[tuple[str, int], dict[Setting, float]], best: Setting, path
         cells = [v for (_, k), v in table.items() if k == key_dim]
         for kind in sorted({c.views for v in cells for c in v}):
             points = sorted({c.passes for v in cells for c in v})
-            ys = [fmean(v[c] for v in cells) if all((c := Setting(best.holdout, kind, best.lr, p)) in v for v in cells)
+            ys = [fmean(v[c] for v in cells) if all((c := replace(best, views=kind, passes=p)) in v for v in cells)
                   else math.nan for p in points]
             ax.plot(points, ys, marker="o", label=kind)
         log2_axes(ax, ("refinement passes over the fitting images", "recipe top-1 minus weight-only (mean)",

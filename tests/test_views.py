@@ -92,3 +92,22 @@ def test_the_refinement_trains_on_every_view_with_the_source_outputs_as_targets(
     assert not all(torch.equal(v, plain.state_dict()[k]) for k, v in first.state_dict().items())
     probe = images(4, seed=9)
     assert not torch.equal(F.softmax(first(probe), -1), F.softmax(plain(probe), -1))
+
+
+def test_the_guard_scores_each_held_out_image_by_the_mean_over_its_views() -> None:
+    """``held_views=3``: a candidate's held-out score is, per image, the mean KL to the source over the image and two
+    seeded views of it (``augmented_views(held, 3, augment, seed + 1)``), recomputed here by hand."""
+    from collab_vit.conversion.guard import held_out_split
+    from collab_vit.conversion.refine import per_image_kl
+    model, x = tiny_deit(), images(20)
+    converted = copy.deepcopy(model)
+    report = convert(converted, 3, x, "fast", holdout=4, held_views=3, candidates=("weight",))
+    assert report.summary["held_views"] == 3 and report.summary["chosen"] == "weight"
+    held = x[held_out_split(20, 0)][16:]
+    views = augmented_views(held, 3, "light", seed=1)
+    with torch.no_grad():
+        target = F.log_softmax(model(views), -1)
+    by_hand = per_image_kl(converted, views, target, 64).view(3, 4).mean(0)
+    assert report.summary["candidates"]["weight"] == pytest.approx(float(by_hand.mean()), rel=1e-6)
+    alone = per_image_kl(converted, held, target[:4], 64)
+    assert abs(float(alone.mean()) - float(by_hand.mean())) > 1e-3 * float(by_hand.mean())  # the views count

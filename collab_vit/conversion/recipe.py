@@ -24,7 +24,7 @@ from timm.layers import Attention
 from torch import Tensor
 from tqdm import tqdm
 
-from ..checks import is_integer
+from ..checks import is_integer, positive_int
 from ..layers.construction import replace_submodule
 from .budget import Budget, KeyDimSpec, as_spec, key_dims
 from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitened_spectrum, whitening
@@ -60,6 +60,7 @@ class Recipe:
     holdout: Optional[int] = None  # held-out images; None: an eighth, 1 to 32 (drawn by the seed: guard.py)
     views: int = 1  # views of each fitting image the refinement sees, the image itself included (views.py)
     augment: str = "light"  # the kind of the other views (views.KINDS)
+    held_views: int = 1  # views of each held-out image the guard scores (per image: the mean KL over its views)
     confidence: float = 0.95  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
@@ -82,7 +83,7 @@ def refine_steps(recipe: Recipe, effort: str, fit: int) -> int:
 
 
 def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
-    """The refined candidates of ``effort``: the best ``n`` starts (``ranked``: best first) followed by the refinement."""
+    """The refined candidates of ``effort``: its number of best starts (``ranked``: best first), refined."""
     return [f"{start}+refine" for start in ranked[:EFFORTS[effort][1]]]
 
 
@@ -146,8 +147,8 @@ class SourceData:
     inputs: Tensor  # the refinement's inputs: the fitting images and their views (``views.py``)
     targets: Tensor  # the source's outputs on ``inputs``
     held_out: int  # held-out images (0: one image, measured on the image it was fitted on)
-    held_images: Tensor
-    held_target: Tensor  # the source's log-probabilities on ``held_images``
+    held_inputs: Tensor  # the held-out images and their views (``Recipe.held_views``), view by view
+    held_target: Tensor  # the source's log-probabilities on ``held_inputs``
     moments: list  # the fitting images' token moments, per layer
     held_tokens: list  # the held-out images' tokens, per layer
     peak: int  # bytes of the held-out tokens
@@ -160,6 +161,8 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     fitting images' views and score them with the source."""
     n = images.shape[0]
     fit = split(n, recipe.holdout)
+    positive_int(recipe.views, "views")
+    positive_int(recipe.held_views, "held_views")
     images = images[held_out_split(n, seed)]
     start = time.perf_counter()
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=recipe.amp):
@@ -170,7 +173,11 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     targets = torch.cat([outputs[:fit], model_outputs(model, inputs[fit:], recipe.batch_size)]) \
         if inputs.shape[0] > fit else outputs[:fit]
     held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
-    return SourceData(fit, inputs, targets, n - fit, held_images, F.log_softmax(held_outputs.float(), dim=-1),
+    held_inputs = augmented_views(held_images, recipe.held_views, recipe.augment, seed + 1)
+    if held_inputs.shape[0] > held_images.shape[0]:
+        held_outputs = torch.cat([held_outputs, model_outputs(model, held_inputs[held_images.shape[0]:],
+                                                              recipe.batch_size)])
+    return SourceData(fit, inputs, targets, n - fit, held_inputs, F.log_softmax(held_outputs.float(), dim=-1),
                       moments, held, peak, time.perf_counter() - start)
 
 
@@ -203,10 +210,11 @@ class RecipeRun:
             replace_submodule(self.model, name, fitted.layer.eval())
 
     def measure(self, candidate: Candidate) -> Candidate:
-        """``candidate`` installed and scored on the held-out images (its per-image KL and their mean)."""
+        """``candidate`` installed and scored on the held-out images: per image the mean KL over its views, and the
+        mean over the images."""
         self.install(candidate.fits)
-        candidate.held = per_image_kl(self.model, self.source.held_images, self.source.held_target,
-                                      self.recipe.batch_size)
+        kl = per_image_kl(self.model, self.source.held_inputs, self.source.held_target, self.recipe.batch_size)
+        candidate.held = kl.view(self.recipe.held_views, -1).mean(0)
         candidate.held_kl = float(candidate.held.mean())
         return candidate
 
@@ -299,7 +307,8 @@ def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verd
         f"{run.dims_from} ({best.name.split('+')[0]} spectra)",
         "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
         "prefix_weight": run.prefix_weight, "ridge": recipe.ridge, "amp": recipe.amp,
-        "views": recipe.views, "augment": recipe.augment, "refine_images": source.inputs.shape[0],
+        "views": recipe.views, "augment": recipe.augment, "held_views": recipe.held_views,
+        "refine_images": source.inputs.shape[0],
         "peak_token_bytes": source.peak, "capture_seconds": source.seconds, "refine_steps": steps,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
         "held_out_kl": best.held_kl,
