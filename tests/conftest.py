@@ -8,9 +8,15 @@ import pytest
 import torch
 
 import collab_vit  # noqa: F401  (registers the models with timm before any test module is collected)
-from timm_upstream import SUITE_DIR, fetch_suite, hub_reachable, our_models, remove_stale_suites
+from timm_upstream import SUITE_DIR, fetch_suite, hub_reachable, our_models, remove_stale_suites, representatives
 
 OUR_MODELS = set(our_models())  # every name the package registers, from timm's registry
+# timm's tests that check a name's configuration run on every name; those that run the model (forward, backward, fx,
+# torchscript, intermediates: seconds to a minute per name on 2 cores) on the smallest name of each family
+# (``timm_upstream.representatives``: the names of a family differ only in width, depth and fixed key dim).
+# COLLAB_VIT_UPSTREAM_ALL=1 runs every test on every name (docs/testing.md gives the command and its last result).
+PER_NAME_TESTS = {"test_model_default_cfgs", "test_model_default_cfgs_non_std", "test_model_load_pretrained"}
+REPRESENTATIVES = representatives(OUR_MODELS)
 # Needs timm's pretrained weights from the Hugging Face hub; skipped (with this reason) when the hub is unreachable.
 NETWORK_TESTS = {"test_model_load_pretrained": "downloads pretrained weights from the Hugging Face hub"}
 # timm's own note: "no marker, slow (prunes every model at every feature index)". At 224 px it takes minutes per
@@ -49,9 +55,20 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"timm upstream model suite: {UPSTREAM['path'].name} (all its tests, on our models)"
 
 
+def upstream_wanted(test: str, model: object) -> bool:
+    """Whether timm's ``test`` runs on ``model``: one of our names, on every name for the configuration tests, on the
+    family's smallest name for the others (``SLOW_TESTS``: on the names listed), on every name with
+    COLLAB_VIT_UPSTREAM_ALL=1."""
+    if model not in OUR_MODELS:
+        return False
+    subset = SLOW_TESTS.get(test, None if test in PER_NAME_TESTS else REPRESENTATIVES)
+    return subset is None or model in subset or bool(os.environ.get("COLLAB_VIT_UPSTREAM_ALL"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep every timm test parametrised by one of our models, as timm runs its suite on a developer's machine (not
-    only its CI markers); the network-bound ones skip, with the reason, when the hub is unreachable."""
+    only its CI markers), those that run the model on one name per family; the network-bound ones skip, with the
+    reason, when the hub is unreachable."""
     kept, dropped = [], []
     online = None
     for item in items:
@@ -61,9 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         params = getattr(item, "callspec", None)
         model = params.params.get("model_name") if params else None
         base_model = model.split(".")[0] if isinstance(model, str) else None
-        subset = SLOW_TESTS.get(item.originalname)
-        if base_model not in OUR_MODELS or (subset and base_model not in subset and not os.environ.get(
-                "COLLAB_VIT_UPSTREAM_ALL")):
+        if not upstream_wanted(item.originalname, base_model):
             dropped.append(item)
             continue
         if item.originalname in NETWORK_TESTS:

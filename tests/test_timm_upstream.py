@@ -56,3 +56,30 @@ def test_every_registered_name_builds_with_its_defaults():
     for name in our_models():
         model = timm.create_model(name, device="meta")
         assert model.num_classes == 1000 and model.pretrained_cfg["architecture"] == name, name
+
+
+def test_tests_that_run_a_model_take_one_name_per_family(monkeypatch):
+    """The configuration tests run on every name; the tests that run the model on the smallest name of each family
+    (no name of the family has fewer parameters), the rebuild-from-record and generic entries included; every name
+    with COLLAB_VIT_UPSTREAM_ALL=1."""
+    import timm
+
+    from conftest import upstream_wanted
+    from timm_upstream import family, our_models, representatives
+
+    names = our_models()
+    chosen = representatives(names)
+    assert sorted(family(n) for n in chosen) == sorted({family(n) for n in names}) and len(chosen) < len(names)
+    assert {"collab_vit_converted", "collab_vit_generic", "collab_deit_tiny_patch16_224_k48"} <= chosen
+
+    def params(name):
+        return sum(p.numel() for p in timm.create_model(name, device="meta").parameters())
+
+    for name in chosen:
+        assert all(params(other) >= params(name) for other in names if family(other) == family(name)), name
+    monkeypatch.delenv("COLLAB_VIT_UPSTREAM_ALL", raising=False)
+    assert all(upstream_wanted("test_model_default_cfgs_non_std", n) for n in names)
+    assert [n for n in names if upstream_wanted("test_model_backward", n)] == sorted(chosen)
+    assert not upstream_wanted("test_model_forward", "deit_base_patch16_224")  # timm's own stay timm's
+    monkeypatch.setenv("COLLAB_VIT_UPSTREAM_ALL", "1")
+    assert all(upstream_wanted("test_model_backward", n) for n in names)

@@ -10,13 +10,14 @@ from the registry too).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import timm
 
@@ -28,6 +29,27 @@ def our_models() -> list[str]:
     entry point lives in ``collab_vit``."""
     return sorted(name for name in timm.list_models()
                   if timm.models.model_entrypoint(name).__module__.split(".")[0] == "collab_vit")
+
+
+SIZES = ("tiny", "small", "base")
+
+
+def family(name: str) -> str:
+    """``name`` with its size and its fixed key dim as wildcards: the names of one family differ only in width and
+    depth (DeiT-Ti/S/B, ViT-S/B) and in the key dim the name fixes (``_k{N}``), not in code."""
+    return re.sub(r"_k\d+$", "_k*", re.sub(r"_(tiny|small|base)_", "_*_", name))
+
+
+def representatives(names: Iterable[str]) -> set[str]:
+    """The smallest name of each :func:`family` (tiny before small before base, then the smallest fixed key dim)."""
+    def size(name: str) -> tuple[int, int]:
+        width, key_dim = re.search(r"_(tiny|small|base)_", name), re.search(r"_k(\d+)$", name)
+        return SIZES.index(width.group(1)) if width else 0, int(key_dim.group(1)) if key_dim else 0
+
+    smallest: dict[str, str] = {}
+    for name in sorted(names, key=lambda n: (size(n), n)):
+        smallest.setdefault(family(name), name)
+    return set(smallest.values())
 
 
 def our_modules() -> list[str]:
