@@ -57,9 +57,11 @@ class Setting:
     passes: int
     held_views: int = 1  # the guard's views per held-out image
     confidence: float = 0.95  # the guard's
+    schedule: str = "constant"  # the refinement's lr along its steps
 
     def label(self) -> str:
-        return (f"held {self.holdout} x {self.held_views} views, {self.views}, lr {self.lr:g}, {self.passes} passes, "
+        return (f"held {self.holdout} x {self.held_views} views, {self.views}, lr {self.lr:g}"
+                f"{'' if self.schedule == 'constant' else ' ' + self.schedule}, {self.passes} passes, "
                 f"confidence {self.confidence:g}")
 
 
@@ -71,8 +73,10 @@ def views_of(spec: str) -> tuple[int, str]:
     return int(count or 8), kind
 
 
-def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, lr: float) -> Path:
-    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}.json"
+def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, lr: float,
+              schedule: str = "constant") -> Path:
+    tail = "" if schedule == "constant" else f"_{schedule}"
+    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}{tail}.json"
 
 
 def scores(run: RecipeRun) -> dict:
@@ -120,11 +124,12 @@ def grid(args: argparse.Namespace) -> None:
             for views in args.views:
                 count, kind = views_of(views)
                 for lr in args.lrs:
-                    path = cell_path(args.results, args.name, key_dim, holdout, views, lr)
+                    path = cell_path(args.results, args.name, key_dim, holdout, views, lr, args.schedule)
                     if path.exists():
                         continue
                     model = copy.deepcopy(source).eval()  # the source's layers: capture reads them
-                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS)
+                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS,
+                                    refine_schedule=args.schedule)
                     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
                     if not fits:
                         dims = run.dims(key_dim)
@@ -138,7 +143,8 @@ def grid(args: argparse.Namespace) -> None:
                     base = min(fits, key=lambda n: fmean(starts[n]["held_views"]))
                     snapshots, refine = trajectory(run, fits[base], args.passes, test)
                     row = {"source": args.name, "source_top1": source_top1, "key_dim": key_dim, "holdout": holdout,
-                           "views": views, "lr": lr, "images": args.images, "fit": run.source.fit,
+                           "views": views, "lr": lr, "schedule": args.schedule, "images": args.images,
+                           "fit": run.source.fit,
                            "held_views": HELD_VIEWS, "starts": starts, "refined_from": base,
                            "refined_from_plain": min(fits, key=lambda n: fmean(starts[n]["held"])),
                            "kl_before": refine["kl_before"], "snapshots": snapshots, "seconds": refine["seconds"],
@@ -180,7 +186,8 @@ def outcomes(rows: Iterable[dict]) -> dict[tuple[str, int], dict[Setting, float]
         for snap in row["snapshots"]:
             for held_views in (1, row["held_views"]):
                 for confidence in CONFIDENCES:
-                    setting = Setting(row["holdout"], row["views"], row["lr"], snap["passes"], held_views, confidence)
+                    setting = Setting(row["holdout"], row["views"], row["lr"], snap["passes"], held_views, confidence,
+                                      row.get("schedule", "constant"))
                     kept = replay(row, setting)
                     if kept is not None:
                         table.setdefault((row["source"], row["key_dim"]), {})[setting] = kept[1] - weight
@@ -213,11 +220,16 @@ def main() -> None:
     g.add_argument("--views", nargs="+", default=["plain", "light", "crop", "cutmix"])
     g.add_argument("--lrs", nargs="+", type=float, default=[3e-4, 1e-3, 3e-3])
     g.add_argument("--passes", nargs="+", type=int, default=[40, 80, 160])
+    g.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="the refinement's lr schedule; cosine decays over the steps of one --passes value, so a "
+                        "cosine cell takes exactly one")
     g.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
     for q in (g, c):
         q.add_argument("--results", type=Path, default=ROOT / "results" / "recipe_holds")
     args = p.parse_args()
+    if args.command == "grid" and args.schedule == "cosine" and len(args.passes) != 1:
+        p.error("--schedule cosine takes one --passes value (the decay spans the steps)")
     if args.command == "grid":
         grid(args)
     else:
@@ -261,7 +273,7 @@ def report(results: Path) -> None:
                      f"{'—' if OLD not in values else f'{weight + values[OLD]:+.2f}'} |")
     lines += ["", f"Targets met in {sum(verdicts)} of {len(verdicts)} cells.", ""]
     (results / "loso.md").write_text("\n".join(lines) + "\n" + sensitivity_table(table, chosen["all"]) + "\n" +
-                                     views_table(table, chosen["all"]))
+                                     guard_table(rows, chosen["all"]) + "\n" + views_table(table, chosen["all"]))
     plot(table, chosen["all"], results / "loso.png")
     print((results / "loso.md").read_text())
 
@@ -270,29 +282,57 @@ def sensitivity_table(table: dict[tuple[str, int], dict[Setting, float]], best: 
     """Each constant varied alone around ``best``: the mean and the worst gain over weight-only across every source
     and key dim."""
     lines = ["## Each constant alone", "", f"Around the all-source choice ({best.label()}): recipe top-1 minus "
-             "weight-only, mean and worst over every source and key dim.", "",
-             "| constant | value | mean | worst |", "|---|---|---:|---:|"]
+             "weight-only, mean and worst over every source and key dim (a value the grid could not replay on every "
+             "cell: over the cells it could, beside the choice's mean on the same cells).", "",
+             "| constant | value | mean | worst | cells | the choice on those cells |", "|---|---|---:|---:|---:|---:|"]
     for f in fields(Setting):
         for value in sorted({getattr(c, f.name) for v in table.values() for c in v}):
             setting = replace(best, **{f.name: value})
-            gains = [v[setting] for v in table.values() if setting in v]
-            if len(gains) == len(table):
-                mark = " (chosen)" if value == getattr(best, f.name) else ""
-                lines.append(f"| {f.name} | {value}{mark} | {fmean(gains):+.3f} | {min(gains):+.2f} |")
+            cells = [v for v in table.values() if setting in v]
+            if not cells:
+                continue
+            gains = [v[setting] for v in cells]
+            mark = " (chosen)" if value == getattr(best, f.name) else ""
+            same = "" if len(cells) == len(table) else f"{fmean(v[best] for v in cells):+.3f}"
+            lines.append(f"| {f.name} | {value}{mark} | {fmean(gains):+.3f} | {min(gains):+.2f} | {len(cells)} | "
+                         f"{same} |")
+    return "\n".join(lines) + "\n"
+
+
+def guard_table(rows: list[dict], best: Setting) -> str:
+    """At ``best``: each candidate's test top-1 change against the source, and the one the guard kept (its cost or
+    gain against keeping the refinement regardless)."""
+    lines = ["## What the guard kept", "", f"At {best.label()}: top-1 change against the source of each candidate "
+             "and of the one kept.", "", "| source | key dim | weight-only | whitened | refined (its start) | kept |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in sorted(rows, key=lambda r: (r["source"], r["key_dim"])):
+        if (row["holdout"], row["views"], row["lr"], row.get("schedule", "constant")) != (
+                best.holdout, best.views, best.lr, best.schedule):
+            continue
+        kept = replay(row, best)
+        snap = next(s for s in row["snapshots"] if s["passes"] == best.passes)
+        top = {n: e["top1"] - row["source_top1"] for n, e in row["starts"].items()}
+        shown = "—" if kept is None else f"{kept[0]}, {kept[1] - row['source_top1']:+.2f}"
+        lines.append(f"| {row['source']} | {row['key_dim']} | {top['weight']:+.2f} | {top['whitened']:+.2f} | "
+                     f"{snap['top1'] - row['source_top1']:+.2f} ({row['refined_from']}) | {shown} |")
     return "\n".join(lines) + "\n"
 
 
 def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Setting) -> str:
-    """The kinds of views against plain ones at equal steps (the chosen held-out count, lr and passes)."""
+    """The kinds of views against plain ones at equal steps: at ``best``'s other constants, or, where not every kind
+    was measured there, at the best setting (mean gain) where every kind was."""
     kinds = sorted({c.views for v in table.values() for c in v})
-    lines = ["## Views at equal steps", "", f"Recipe top-1 minus weight-only at held {best.holdout}, lr {best.lr:g}, "
-             f"{best.passes} passes, by the refinement's inputs:", "",
+    common = set.intersection(*(set(v) for v in table.values()))
+    complete = [c for c in common if all(replace(c, views=k) in common for k in kinds)]
+    base = best if best in complete else max(complete, key=lambda c: fmean(v[c] for v in table.values()))
+    lines = ["## Views at equal steps", "", f"Recipe top-1 minus weight-only at {base.label()}, by the "
+             "refinement's inputs (the guard's held-out views are of the same kind):", "",
              "| source | key dim | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
     for (name, key_dim), values in sorted(table.items()):
-        cells = [values.get(replace(best, views=k)) for k in kinds]
-        lines.append(f"| {name} | {key_dim} | " + " | ".join("—" if c is None else f"{c:+.2f}" for c in cells) + " |")
-    means = [[v[replace(best, views=k)] for v in table.values() if replace(best, views=k) in v] for k in kinds]
-    lines.append("| mean | | " + " | ".join(f"{fmean(m):+.3f}" if m else "—" for m in means) + " |")
+        lines.append(f"| {name} | {key_dim} | " + " | ".join(f"{values[replace(base, views=k)]:+.2f}" for k in kinds)
+                     + " |")
+    lines.append("| mean | | " + " | ".join(f"{fmean(v[replace(base, views=k)] for v in table.values()):+.3f}"
+                                           for k in kinds) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,7 @@ class Recipe:
     prefix_weight: object = "balanced"  # of the whitened start: a number, or the "balanced" rule
     refine_steps: Optional[int] = None  # None: from effort and the number of images
     refine_lr: float = 1e-3
+    refine_schedule: str = "constant"  # the lr along the steps: "constant" or "cosine" (decays to 0)
     batch_size: int = 64
     amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
     holdout: Optional[int] = None  # held-out images; None: an eighth, 1 to 32 (drawn by the seed: guard.py)
@@ -239,11 +240,12 @@ class RecipeRun:
         self.install(fits)
         r = self.recipe
         result = refine_logits(self.model, [f.layer for f in fits], self.source.inputs, self.source.targets, steps,
-                               r.refine_lr, r.batch_size, self.seed, self.progress, on_step)
+                               r.refine_lr, r.batch_size, self.seed, self.progress, on_step, r.refine_schedule)
         for (_, attn), f in zip(self.layers, fits):
             f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
         return self.measure(Candidate(f"{base.name}+refine", fits, refine={
-            "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "views": r.views,
+            "steps": result.steps, "lr": r.refine_lr, "schedule": r.refine_schedule, "seconds": result.seconds,
+            "views": r.views,
             "augment": r.augment, "kl_before": result.kl_before, "kl_after": result.kl_after,
             "kept_start": result.kept_start}))
 
@@ -302,7 +304,8 @@ def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verd
     source, recipe, reference = run.source, run.recipe, found.get("weight")
     summary = {
         "images_fit": source.fit, "images_held_out": source.held_out,
-        "measured_on": "held-out calibration images" if source.held_out else "the fitting images (one image)",
+        "measured_on": ("held-out calibration images" if source.held_out else "the fitting images (one image)") +
+        (f", each over {recipe.held_views} views of it" if recipe.held_views > 1 else ""),
         "key_dims_from": run.dims_from if run.dims_from == "given" else
         f"{run.dims_from} ({best.name.split('+')[0]} spectra)",
         "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
