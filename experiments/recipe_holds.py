@@ -57,7 +57,7 @@ class Setting:
     passes: int
     held_views: int = 1  # the guard's views per held-out image
     confidence: float = 0.95  # the guard's
-    schedule: str = "constant"  # the refinement's lr along its steps
+    schedule: str = "constant"  # the refinement's lr along its steps (cosine: the rows of commit fb7aaa3)
 
     def label(self) -> str:
         return (f"held {self.holdout} x {self.held_views} views, {self.views}, lr {self.lr:g}"
@@ -73,10 +73,8 @@ def views_of(spec: str) -> tuple[int, str]:
     return int(count or 8), kind
 
 
-def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, lr: float,
-              schedule: str = "constant") -> Path:
-    tail = "" if schedule == "constant" else f"_{schedule}"
-    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}{tail}.json"
+def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, lr: float) -> Path:
+    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}.json"
 
 
 def scores(run: RecipeRun) -> dict:
@@ -124,12 +122,11 @@ def grid(args: argparse.Namespace) -> None:
             for views in args.views:
                 count, kind = views_of(views)
                 for lr in args.lrs:
-                    path = cell_path(args.results, args.name, key_dim, holdout, views, lr, args.schedule)
+                    path = cell_path(args.results, args.name, key_dim, holdout, views, lr)
                     if path.exists():
                         continue
                     model = copy.deepcopy(source).eval()  # the source's layers: capture reads them
-                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS,
-                                    refine_schedule=args.schedule)
+                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS)
                     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
                     if not fits:
                         dims = run.dims(key_dim)
@@ -143,8 +140,7 @@ def grid(args: argparse.Namespace) -> None:
                     base = min(fits, key=lambda n: fmean(starts[n]["held_views"]))
                     snapshots, refine = trajectory(run, fits[base], args.passes, test)
                     row = {"source": args.name, "source_top1": source_top1, "key_dim": key_dim, "holdout": holdout,
-                           "views": views, "lr": lr, "schedule": args.schedule, "images": args.images,
-                           "fit": run.source.fit,
+                           "views": views, "lr": lr, "images": args.images, "fit": run.source.fit,
                            "held_views": HELD_VIEWS, "starts": starts, "refined_from": base,
                            "refined_from_plain": min(fits, key=lambda n: fmean(starts[n]["held"])),
                            "kl_before": refine["kl_before"], "snapshots": snapshots, "seconds": refine["seconds"],
@@ -220,16 +216,11 @@ def main() -> None:
     g.add_argument("--views", nargs="+", default=["plain", "light", "crop", "cutmix"])
     g.add_argument("--lrs", nargs="+", type=float, default=[3e-4, 1e-3, 3e-3])
     g.add_argument("--passes", nargs="+", type=int, default=[40, 80, 160])
-    g.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
-                   help="the refinement's lr schedule; cosine decays over the steps of one --passes value, so a "
-                        "cosine cell takes exactly one")
     g.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
     for q in (g, c):
         q.add_argument("--results", type=Path, default=ROOT / "results" / "recipe_holds")
     args = p.parse_args()
-    if args.command == "grid" and args.schedule == "cosine" and len(args.passes) != 1:
-        p.error("--schedule cosine takes one --passes value (the decay spans the steps)")
     if args.command == "grid":
         grid(args)
     else:

@@ -46,10 +46,10 @@ def test_convert_with_calibration_images(tmp_path, capsys) -> None:
                      "--calibration-data-dir", data, "--calibration-images", "10"]) == 0
     sidecar = json.loads(out.with_suffix(".json").read_text())
     calibration = sidecar["calibration"]
-    assert calibration["images_fit"] == 9 and calibration["images_held_out"] == 1
-    assert calibration["effort"] == "default" and calibration["refine_steps"] == 12  # ceil(80 x 9 / 64)
+    assert calibration["images_fit"] == 8 and calibration["images_held_out"] == 2
+    assert calibration["effort"] == "default" and calibration["refine_steps"] == 20  # ceil(160 x 8 / 64)
     assert calibration["held_out_kl"] <= calibration["weight_only_kl"] and calibration["prefix_weight"] == 16.0
-    assert all(layer["error_tokens"] == "1 held-out calibration images" for layer in sidecar["layers"])
+    assert all(layer["error_tokens"] == "2 held-out calibration images" for layer in sidecar["layers"])
     assert f"kept {calibration['chosen']}" in capsys.readouterr().out
 
 

@@ -101,7 +101,7 @@ def test_the_guard_scores_each_held_out_image_by_the_mean_over_its_views() -> No
     from collab_vit.conversion.refine import per_image_kl
     model, x = tiny_deit(), images(20)
     converted = copy.deepcopy(model)
-    report = convert(converted, 3, x, "fast", holdout=4, held_views=3, candidates=("weight",))
+    report = convert(converted, 3, x, "fast", holdout=4, held_views=3, augment="light", candidates=("weight",))
     assert report.summary["held_views"] == 3 and report.summary["chosen"] == "weight"
     held = x[held_out_split(20, 0)][16:]
     views = augmented_views(held, 3, "light", seed=1)

@@ -1,13 +1,16 @@
 """The calibrated conversion: candidates measured on held-out calibration images, never worse than weight-only.
 
-With calibration images the conversion holds part of them out, fits the others, and measures every candidate the
-same label-free way the refinement trains: the mean ``KL(softmax(source outputs) || softmax(converted outputs))`` on
-the held-out images (logits, or features for a model without a head). Candidates (RESULTS.md (b): each wins
-somewhere): the weight-only fit; the whitened closed form with the class token weighted by the ``"balanced"`` rule
-(docs/math.md, "Query weights"); and, by ``effort``, the refinement (``refine.refine_logits``) of the better of the
-two or of both. The weight-only fit is always measured and kept unless another candidate is better beyond what the
-held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image gain), so the result is never
-worse than weight-only on the held-out images, and is another candidate only where its win there is resolved.
+With calibration images the conversion holds part of them out (a quarter, 1 to 64, drawn by the seed), fits the
+others, and measures every candidate the same label-free way the refinement trains: per held-out image, the mean
+``KL(softmax(source outputs) || softmax(converted outputs))`` over the image and seeded views of it (logits, or
+features for a model without a head). Candidates (RESULTS.md (b): each wins somewhere): the weight-only fit; the
+whitened closed form with the class token weighted by the ``"balanced"`` rule (docs/math.md, "Query weights"); and,
+by ``effort``, the refinement (``refine.refine_logits``) of the better of the two, trained on the fitting images and
+seeded views of them (``views.py``). The weight-only fit is always measured and kept unless another candidate is
+better beyond what the held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image gain);
+of the resolved candidates the best is kept, so the result is never worse than weight-only on the held-out images.
+The constants (``Recipe``, ``EFFORTS``) were chosen by leave-one-source-out on six trained sources (RESULTS.md (b),
+``experiments/recipe_holds.py``).
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ from .refine import per_image_kl, refine_logits
 from .views import augmented_views
 
 # effort: refinement passes over the fitting images (steps = passes x images / batch), and which starts are refined.
-# 80 passes: 280 steps for 224 fitting images at batch 64 (the step counts measured against it: RESULTS.md (b)).
-EFFORTS: dict[str, tuple[int, int]] = {"fast": (0, 0), "default": (80, 1)}  # "thorough" (both refined): RESULTS.md (b)
+# 160 passes: 480 steps for 192 fitting images at batch 64 (chosen with 40 and 80 by leave-one-source-out: RESULTS.md
+# (b)). "thorough" (both starts refined) was measured no better and removed: RESULTS.md (b).
+EFFORTS: dict[str, tuple[int, int]] = {"fast": (0, 0), "default": (160, 1)}
 STARTS = ("weight", "whitened")
 
 
@@ -55,13 +59,12 @@ class Recipe:
     prefix_weight: object = "balanced"  # of the whitened start: a number, or the "balanced" rule
     refine_steps: Optional[int] = None  # None: from effort and the number of images
     refine_lr: float = 1e-3
-    refine_schedule: str = "constant"  # the lr along the steps: "constant" or "cosine" (decays to 0)
     batch_size: int = 64
     amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
-    holdout: Optional[int] = None  # held-out images; None: an eighth, 1 to 32 (drawn by the seed: guard.py)
-    views: int = 1  # views of each fitting image the refinement sees, the image itself included (views.py)
-    augment: str = "light"  # the kind of the other views (views.KINDS)
-    held_views: int = 1  # views of each held-out image the guard scores (per image: the mean KL over its views)
+    holdout: Optional[int] = None  # held-out images; None: a quarter, 1 to 64 (drawn by the seed: guard.py)
+    views: int = 8  # views of each fitting image the refinement sees, the image itself included (views.py)
+    augment: str = "crop"  # the kind of the other views, for the refinement and the guard (views.KINDS)
+    held_views: int = 8  # views of each held-out image the guard scores (per image: the mean KL over its views)
     confidence: float = 0.95  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
@@ -69,9 +72,9 @@ class Recipe:
 
 
 def split(n: int, holdout: Optional[int]) -> int:
-    """Fitting images out of ``n`` (the rest is held out): an eighth held out by default, 1 to 32."""
+    """Fitting images out of ``n`` (the rest is held out): a quarter held out by default, 1 to 64."""
     if holdout is None:
-        holdout = min(max(1, n // 8), 32) if n >= 2 else 0
+        holdout = min(max(1, n // 4), 64) if n >= 2 else 0
     if not is_integer(holdout) or not 0 <= holdout < n:
         raise ValueError(f"holdout must be an integer in [0, {n}) for {n} calibration images, got {holdout!r}")
     return n - holdout
@@ -240,12 +243,11 @@ class RecipeRun:
         self.install(fits)
         r = self.recipe
         result = refine_logits(self.model, [f.layer for f in fits], self.source.inputs, self.source.targets, steps,
-                               r.refine_lr, r.batch_size, self.seed, self.progress, on_step, r.refine_schedule)
+                               r.refine_lr, r.batch_size, self.seed, self.progress, on_step)
         for (_, attn), f in zip(self.layers, fits):
             f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
         return self.measure(Candidate(f"{base.name}+refine", fits, refine={
-            "steps": result.steps, "lr": r.refine_lr, "schedule": r.refine_schedule, "seconds": result.seconds,
-            "views": r.views,
+            "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "views": r.views,
             "augment": r.augment, "kl_before": result.kl_before, "kl_after": result.kl_after,
             "kept_start": result.kept_start}))
 

@@ -27,9 +27,6 @@ from ..checks import nonnegative_int, positive_real
 from ..layers.attention import CollaborativeAttention
 
 
-SCHEDULES = ("constant", "cosine")
-
-
 @dataclass
 class RefineResult:
     steps: int
@@ -85,20 +82,18 @@ def mean_kl(model: nn.Module, images: Tensor, target: Tensor, batch_size: int) -
 
 def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images: Tensor, targets: Tensor,
                   steps: int, lr: float = 1e-3, batch_size: int = 64, seed: int = 0, progress: bool = True,
-                  on_step: Optional[Callable[[int], None]] = None, schedule: str = "constant") -> RefineResult:
+                  on_step: Optional[Callable[[int], None]] = None) -> RefineResult:
     """``steps`` Adam steps on the ``W~q, W~k, M`` of ``layers`` so that ``model(images)`` matches ``targets`` (KL).
 
     ``model`` runs in eval mode (no dropout); the other parameters get no gradient and are left unchanged. Each step
-    takes ``batch_size`` images drawn by a generator seeded with ``seed``; the learning rate is ``lr`` throughout
-    (``schedule="constant"``) or decays from it to 0 along a half cosine over the steps (``"cosine"``); ``on_step(k)``
-    is called after step ``k`` (the experiments read the model there). The mean KL over all ``images`` before and
+    takes ``batch_size`` images drawn by a generator seeded with ``seed`` at the constant learning rate ``lr`` (a
+    cosine decay was measured no better: RESULTS.md (b)); ``on_step(k)`` is called after step ``k`` (the experiments
+    read the model there). The mean KL over all ``images`` before and
     after the steps decides whether the starting weights are restored (module docstring). Returns the loss of every
     step (the minibatch's, before its update).
     """
     steps = nonnegative_int(steps, "refine_steps")
     lr = positive_real(lr, "refine_lr")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"refine schedule must be one of {SCHEDULES}, got {schedule!r}")
     params = [p for layer in layers for p in (layer.query.weight, layer.key.weight, layer.mixing)]
     device = params[0].device
     target = F.log_softmax(targets.float(), dim=-1)
@@ -109,7 +104,6 @@ def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images
         before = mean_kl(model, images, target, batch_size)
         start_weights = [p.detach().clone() for p in params]
         optimizer = torch.optim.Adam(params, lr=lr)
-        decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1)) if schedule == "cosine" else None
         for step in tqdm(range(steps), desc="refine (KL to the source logits)", disable=not progress):
             index = torch.randperm(images.shape[0], generator=generator)[:batch_size]
             logits = model(images[index].to(device))
@@ -118,8 +112,6 @@ def refine_logits(model: nn.Module, layers: list[CollaborativeAttention], images
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            if decay is not None:
-                decay.step()
             losses.append(loss.item())
             if on_step is not None:
                 on_step(step + 1)

@@ -139,10 +139,11 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
         method: ``"tucker"`` (compress, then CP of the core), ``"cp"`` (ALS on the factored tensor) or ``"parafac"``
             (the paper's procedure: tensorly's CP-ALS on the dense tensor).
         calibration: unlabelled images (a (B, C, H, W) tensor, or batches: ``(images, labels)`` or images) in the
-            model's input format. Then the recipe of RESULTS.md (b) runs: an eighth of them (1-32) held out, the
-            weight-only fit, the whitened closed form and (by ``effort``) the label-free refinement measured there by
-            the KL of the outputs to the source's, the best kept, never one worse than weight-only.
-        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: 80 passes over the fitting
+            model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-64) held out, the
+            weight-only fit, the whitened closed form and (by ``effort``) the label-free refinement (on the fitting
+            images and 7 random crops of each) measured there by the KL of the outputs to the source's (each image
+            with 7 crops of it), the best whose win the held-out images resolve kept, else weight-only.
+        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: 160 passes over the fitting
             images, steps proportional to their number).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
         device: move the model there first (the forward passes and the refinement run there; the decompositions on
