@@ -65,16 +65,18 @@ class Setting:
                 f"confidence {self.confidence:g}")
 
 
-def views_of(spec: str) -> tuple[int, str]:
-    """``plain`` -> (1, "light"); ``crop`` -> (8, "crop"); ``crop:16`` -> (16, "crop")."""
+def views_of(spec: str) -> tuple[int, str, Optional[str]]:
+    """The refinement's views and the guard's kind: ``plain`` -> (1, "light", None); ``crop`` -> (8, "crop", None);
+    ``crop:16`` -> (16, "crop", None); ``light/crop``: light views for the refinement, crops for the guard."""
+    spec, _, held = spec.partition("/")
     if spec == "plain":
-        return 1, "light"
+        return 1, "light", held or None
     kind, _, count = spec.partition(":")
-    return int(count or 8), kind
+    return int(count or 8), kind, held or None
 
 
 def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, lr: float) -> Path:
-    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}.json"
+    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x').replace('/', '-')}_lr{lr:g}.json"
 
 
 def scores(run: RecipeRun) -> dict:
@@ -120,13 +122,14 @@ def grid(args: argparse.Namespace) -> None:
             fits: dict[str, Candidate] = {}
             start_top1: dict[str, float] = {}
             for views in args.views:
-                count, kind = views_of(views)
+                count, kind, held_kind = views_of(views)
                 for lr in args.lrs:
                     path = cell_path(args.results, args.name, key_dim, holdout, views, lr)
                     if path.exists():
                         continue
                     model = copy.deepcopy(source).eval()  # the source's layers: capture reads them
-                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS)
+                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS,
+                                    held_augment=held_kind)
                     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
                     if not fits:
                         dims = run.dims(key_dim)
@@ -264,7 +267,8 @@ def report(results: Path) -> None:
                      f"{'—' if OLD not in values else f'{weight + values[OLD]:+.2f}'} |")
     lines += ["", f"Targets met in {sum(verdicts)} of {len(verdicts)} cells.", ""]
     (results / "loso.md").write_text("\n".join(lines) + "\n" + sensitivity_table(table, chosen["all"]) + "\n" +
-                                     guard_table(rows, chosen["all"]) + "\n" + views_table(table, chosen["all"]))
+                                     guard_table(rows, chosen["all"]) + "\n" + views_table(table, chosen["all"]) +
+                                     "\n" + refined_table(rows))
     plot(table, chosen["all"], results / "loso.png")
     print((results / "loso.md").read_text())
 
@@ -310,20 +314,50 @@ def guard_table(rows: list[dict], best: Setting) -> str:
 
 
 def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Setting) -> str:
-    """The kinds of views against plain ones at equal steps: at ``best``'s other constants, or, where not every kind
-    was measured there, at the best setting (mean gain) where every kind was."""
-    kinds = sorted({c.views for v in table.values() for c in v})
+    """The kinds of views against plain ones at equal steps: at ``best``'s other constants and at the setting where
+    the most kinds were measured on every source (``A/B``: A views for the refinement, B for the guard)."""
     common = set.intersection(*(set(v) for v in table.values()))
-    complete = [c for c in common if all(replace(c, views=k) in common for k in kinds)]
-    base = best if best in complete else max(complete, key=lambda c: fmean(v[c] for v in table.values()))
-    lines = ["## Views at equal steps", "", f"Recipe top-1 minus weight-only at {base.label()}, by the "
-             "refinement's inputs (the guard's held-out views are of the same kind):", "",
-             "| source | key dim | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
-    for (name, key_dim), values in sorted(table.items()):
-        lines.append(f"| {name} | {key_dim} | " + " | ".join(f"{values[replace(base, views=k)]:+.2f}" for k in kinds)
-                     + " |")
-    lines.append("| mean | | " + " | ".join(f"{fmean(v[replace(base, views=k)] for v in table.values()):+.3f}"
-                                           for k in kinds) + " |")
+    kinds = sorted({c.views for c in common})
+
+    def measured(c: Setting) -> list[str]:
+        return [k for k in kinds if replace(c, views=k) in common]
+
+    widest = max(common, key=lambda c: (len(measured(c)), fmean(v[c] for v in table.values())))
+    lines = ["## Views at equal steps", ""]
+    for base in dict.fromkeys([widest, best]):
+        shown = measured(base)
+        lines += [f"Recipe top-1 minus weight-only at {base.label()}, by the refinement's inputs (the guard's "
+                  "held-out views are of the same kind unless A/B):", "",
+                  "| source | key dim | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
+        for (name, key_dim), values in sorted(table.items()):
+            lines.append(f"| {name} | {key_dim} | " + " | ".join(f"{values[replace(base, views=k)]:+.2f}"
+                                                                for k in shown) + " |")
+        lines += ["| mean | | " + " | ".join(f"{fmean(v[replace(base, views=k)] for v in table.values()):+.3f}"
+                                            for k in shown) + " |", ""]
+    return "\n".join(lines)
+
+
+def refined_table(rows: list[dict]) -> str:
+    """The refinement alone (no guard): its top-1 minus weight-only's and its mean KL on its own inputs and on the
+    held-out images, by the refinement's inputs and passes, averaged over the cells measured with every kind (same
+    held-out count and lr)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["holdout"], row["lr"], row.get("schedule", "constant")), []).append(row)
+    (holdout, lr, _), group = max(groups.items(), key=lambda g: len({r["views"] for r in g[1]}))
+    kinds = sorted({r["views"] for r in group})
+    cells = set.intersection(*({(r["source"], r["key_dim"]) for r in group if r["views"] == k} for k in kinds))
+    lines = ["## The refinement alone", "", f"Held {holdout}, lr {lr:g}, {len(cells)} cells: the refined candidate's "
+             "top-1 minus weight-only's (no guard), and its mean KL to the source on its own inputs / on the held-out "
+             "images (alone):", "", "| views | passes | top-1 vs weight-only | KL inputs / held out |",
+             "|---|---:|---:|---|"]
+    for kind in kinds:
+        mine = [r for r in group if r["views"] == kind and (r["source"], r["key_dim"]) in cells]
+        for passes in sorted({s["passes"] for r in mine for s in r["snapshots"]}):
+            snaps = [(r, next(s for s in r["snapshots"] if s["passes"] == passes)) for r in mine]
+            gain = fmean(s["top1"] - r["starts"]["weight"]["top1"] for r, s in snaps)
+            lines.append(f"| {kind} | {passes} | {gain:+.3f} | {fmean(s['kl_fit'] for _, s in snaps):.4f} / "
+                         f"{fmean(fmean(s['held']) for _, s in snaps):.4f} |")
     return "\n".join(lines) + "\n"
 
 
