@@ -12,7 +12,8 @@ Every cell converts the source at a q/k dim per layer (no fine-tune) and evaluat
 * ``optimal``: the per-frequency form with the ranks that minimise the summed tensor error (dynamic programming);
 * ``weight``: ``collab_vit.reparametrize(model, K)``: the per-frequency form with ``R_p`` = the number of heads that
   keep ``p`` under ``select``, each fit started from that selection (the issue's third row);
-* ``recipe``: ``collab_vit.reparametrize(model, K, calibration=256 training images)`` (default effort).
+* ``recipe``: ``collab_vit.reparametrize(model, K, calibration=256 training images)`` (default effort);
+* ``recipe-before``: the same with the recipe's constants before issue 34 (32 held out, no views, 80 passes).
 
 Also written: ``methods.md`` (the per-frequency decompositions against the dense complex float64 tensor: error and
 seconds) and ``energy.md`` / ``energy.png`` (4(c): per frequency, the share of the heads' joint energy the first R
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from pathlib import Path
 from statistics import fmean
@@ -37,13 +39,15 @@ from data_aware import test_set, top1
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion import rotary_fit
 from collab_vit.conversion.calibration import calibration_images
-from collab_vit.conversion.reparam import probe_input_size, reparametrize, timm_attention_layers
+from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.reparam import convert_model, probe_input_size, reparametrize, timm_attention_layers
 from collab_vit.conversion.rotary import rotary_layer, rotary_like
 from collab_vit.hub import save_pretrained
 from collab_vit.training.build import build_model, load_weights
 from collab_vit.training.config import build_config
 
-VARIANTS = ["select", "uniform", "optimal", "weight", "recipe"]
+VARIANTS = ["select", "uniform", "optimal", "weight", "recipe", "recipe-before"]
+BEFORE = dict(holdout=32, views=1, held_views=1)  # the recipe's constants before issue 34, with 80 passes
 
 
 def load(path: Path, config: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
@@ -103,6 +107,11 @@ def convert(source: torch.nn.Module, key_dim: int, variant: str, calibration: to
         model, report = reparametrize(model, key_dim, calibration=calibration if variant == "recipe" else None,
                                       seed=seed, progress=False, return_report=True)
         return model, [r.as_dict() for r in report], report.summary
+    if variant == "recipe-before":
+        steps = math.ceil(80 * (calibration.shape[0] - BEFORE["holdout"]) / 64)
+        report = convert_model(model, key_dim, "tucker", calibration, "default", seed, False,
+                               Recipe(refine_steps=steps, **BEFORE))
+        return model, [r.as_dict() for r in report], report.summary
     rows = []
     for name, attn in timm_attention_layers(model):
         layer = (selection_layer(attn, key_dim) if variant == "select"
@@ -120,7 +129,8 @@ def run_cell(source: torch.nn.Module, key_dim: int, variant: str, calibration: t
     start = time.perf_counter()
     model, layers, summary = convert(source, key_dim, variant, calibration, args.seed)
     seconds = time.perf_counter() - start
-    row = {"variant": variant, "key_dim": key_dim, "images": calibration.shape[0] if variant == "recipe" else 0,
+    row = {"variant": variant, "key_dim": key_dim,
+           "images": calibration.shape[0] if variant.startswith("recipe") else 0,
            "key_dims": [x["key_dim"] for x in layers], "tensor_error": fmean(x["tensor_error"] for x in layers),
            "top1": top1(model, *test), "top1_source": args.top1_source, "seconds": round(seconds, 2),
            "per_layer": layers, "summary": summary, "commit": git_commit(), "machine": machine()}
@@ -236,7 +246,8 @@ def methods(source: torch.nn.Module) -> str:
     lines = ["Per-frequency decomposition against the dense complex float64 tensor of each frequency (every layer; "
              "relative error pooled over layers and frequencies; seconds summed, one thread; the package's fit "
              "gives every rank at once).", "",
-             "| method | " + " | ".join(f"rank {r}" for r in ranks) + " | seconds |", "|---|" + "---:|" * (len(ranks) + 1)]
+             "| method | " + " | ".join(f"rank {r}" for r in ranks) + " | seconds |",
+             "|---|" + "---:|" * (len(ranks) + 1)]
     for label, by_rank in errors.items():
         lines.append(f"| {label} | " + " | ".join(f"{(by_rank[r] / energy) ** 0.5:.4f}" for r in ranks) +
                      f" | {seconds[label]:.2f} |")
