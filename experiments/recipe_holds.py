@@ -65,18 +65,16 @@ class Setting:
                 f"confidence {self.confidence:g}")
 
 
-def views_of(spec: str) -> tuple[int, str, Optional[str]]:
-    """The refinement's views and the guard's kind: ``plain`` -> (1, "light", None); ``crop`` -> (8, "crop", None);
-    ``crop:16`` -> (16, "crop", None); ``light/crop``: light views for the refinement, crops for the guard."""
-    spec, _, held = spec.partition("/")
+def views_of(spec: str) -> tuple[int, str]:
+    """``plain`` -> (1, "light"); ``crop`` -> (8, "crop"); ``crop:16`` -> (16, "crop")."""
     if spec == "plain":
-        return 1, "light", held or None
+        return 1, "light"
     kind, _, count = spec.partition(":")
-    return int(count or 8), kind, held or None
+    return int(count or 8), kind
 
 
 def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, lr: float) -> Path:
-    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x').replace('/', '-')}_lr{lr:g}.json"
+    return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}.json"
 
 
 def scores(run: RecipeRun) -> dict:
@@ -122,14 +120,13 @@ def grid(args: argparse.Namespace) -> None:
             fits: dict[str, Candidate] = {}
             start_top1: dict[str, float] = {}
             for views in args.views:
-                count, kind, held_kind = views_of(views)
+                count, kind = views_of(views)
                 for lr in args.lrs:
                     path = cell_path(args.results, args.name, key_dim, holdout, views, lr)
                     if path.exists():
                         continue
                     model = copy.deepcopy(source).eval()  # the source's layers: capture reads them
-                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS,
-                                    held_augment=held_kind)
+                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS)
                     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
                     if not fits:
                         dims = run.dims(key_dim)
@@ -315,7 +312,7 @@ def guard_table(rows: list[dict], best: Setting) -> str:
 
 def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Setting) -> str:
     """The kinds of views against plain ones at equal steps: at ``best``'s other constants and at the setting where
-    the most kinds were measured on every source (``A/B``: A views for the refinement, B for the guard)."""
+    the most kinds were measured on every source."""
     common = set.intersection(*(set(v) for v in table.values()))
     kinds = sorted({c.views for c in common})
 
@@ -327,7 +324,7 @@ def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Settin
     for base in dict.fromkeys([widest, best]):
         shown = measured(base)
         lines += [f"Recipe top-1 minus weight-only at {base.label()}, by the refinement's inputs (the guard's "
-                  "held-out views are of the same kind unless A/B):", "",
+                  "held-out views are of the same kind):", "",
                   "| source | key dim | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
         for (name, key_dim), values in sorted(table.items()):
             lines.append(f"| {name} | {key_dim} | " + " | ".join(f"{values[replace(base, views=k)]:+.2f}"

@@ -63,9 +63,8 @@ class Recipe:
     amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
     holdout: Optional[int] = None  # held-out images; None: a quarter, 1 to 64 (drawn by the seed: guard.py)
     views: int = 8  # views of each fitting image the refinement sees, the image itself included (views.py)
-    augment: str = "crop"  # the kind of the other views of the refinement (views.KINDS)
+    augment: str = "crop"  # the kind of the other views, for the refinement and the guard (views.KINDS)
     held_views: int = 8  # views of each held-out image the guard scores (per image: the mean KL over its views)
-    held_augment: Optional[str] = None  # their kind; None: ``augment``'s
     confidence: float = 0.95  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
@@ -178,7 +177,7 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     targets = torch.cat([outputs[:fit], model_outputs(model, inputs[fit:], recipe.batch_size)]) \
         if inputs.shape[0] > fit else outputs[:fit]
     held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
-    held_inputs = augmented_views(held_images, recipe.held_views, recipe.held_augment or recipe.augment, seed + 1)
+    held_inputs = augmented_views(held_images, recipe.held_views, recipe.augment, seed + 1)
     if held_inputs.shape[0] > held_images.shape[0]:
         held_outputs = torch.cat([held_outputs, model_outputs(model, held_inputs[held_images.shape[0]:],
                                                               recipe.batch_size)])
