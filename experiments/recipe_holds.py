@@ -15,7 +15,8 @@ KL and the 10k-test top-1 of both starts and of the refinement at every snapshot
 ``choose`` replays the recipe's choice (``recipe.choose``: the guard) for every setting, picks the constants by
 leave-one-source-out (for each source, the setting with the best mean top-1 change against weight-only over the
 other sources and both key dims) and writes ``loso.md`` (each source's figures from constants chosen without it,
-against the issue's targets), ``views.md`` (the kinds of views against plain ones at equal steps) and ``loso.png``.
+against the issue's targets, each constant alone, what the guard kept, the kinds of views at equal steps, the
+refinement alone) and ``loso.png``.
 """
 from __future__ import annotations
 
