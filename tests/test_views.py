@@ -111,3 +111,26 @@ def test_the_guard_scores_each_held_out_image_by_the_mean_over_its_views() -> No
     assert report.summary["candidates"]["weight"] == pytest.approx(float(by_hand.mean()), rel=1e-6)
     alone = per_image_kl(converted, held, target[:4], 64)
     assert abs(float(alone.mean()) - float(by_hand.mean())) > 1e-3 * float(by_hand.mean())  # the views count
+
+
+@pytest.mark.parametrize("effort, pinned, scored", [("fast", None, 20 + 4 * 2), ("default", ("whitened",), 20 + 4 * 2),
+                                                    ("default", None, 20 + 16 * 2 + 4 * 2)])
+def test_the_fitting_views_are_drawn_only_for_a_refinement(monkeypatch, effort, pinned, scored) -> None:
+    """Without a refinement (``effort="fast"``, or pinned candidates without one) the source scores the images and
+    the held-out views only: the fitting images' views feed the refinement alone (on DeiT-B they are 7 x 192 forward
+    passes). The candidates' figures are the same either way."""
+    model, x = tiny_deit(), images(20)
+    counted = []
+    real = recipe_module.model_outputs
+
+    def spy(net, inputs, *args, **kwargs):
+        counted.append(inputs.shape[0])
+        return real(net, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(recipe_module, "model_outputs", spy)
+    report = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=3, held_views=3, refine_steps=None,
+                     candidates=pinned)
+    assert sum(counted) + 20 == scored  # + the images themselves, scored while their tokens are captured
+    if effort == "fast":
+        full = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=1, held_views=3)
+        assert report.summary["candidates"] == full.summary["candidates"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -278,11 +278,13 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     spectra, ``start_dims``); swap the one ``choose`` keeps into ``model``. Returns its fits, the held-out tokens of
     every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
     verdicts, which won, by how much)."""
+    pinned = list(recipe.candidates) if recipe.candidates is not None else None
+    steps = refine_steps(recipe, effort, split(images.shape[0], recipe.holdout))
+    if not (any(c.endswith("+refine") for c in pinned) if pinned is not None else steps):
+        recipe = replace(recipe, views=1)  # the fitting images' views feed the refinement alone: not drawn, not scored
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
     dims = run.dims(spec)
-    pinned = list(recipe.candidates) if recipe.candidates is not None else None
     starts = [s for s in STARTS if pinned is None or any(c.split("+")[0] == s for c in pinned)]
-    steps = refine_steps(recipe, effort, run.source.fit)
     run.progress, run.bar = progress, tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}",
                                            disable=not progress)
     with torch.autocast(next(model.parameters()).device.type, enabled=False):  # fits, refinement and measures
