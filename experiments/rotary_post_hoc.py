@@ -39,7 +39,7 @@ from data_aware import test_set, top1
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion import rotary_fit
 from collab_vit.conversion.calibration import calibration_images
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.recipe import Recipe, split
 from collab_vit.conversion.reparam import convert_model, probe_input_size, reparametrize, timm_attention_layers
 from collab_vit.conversion.rotary import rotary_layer, rotary_like
 from collab_vit.hub import save_pretrained
@@ -108,7 +108,7 @@ def convert(source: torch.nn.Module, key_dim: int, variant: str, calibration: to
                                       seed=seed, progress=False, return_report=True)
         return model, [r.as_dict() for r in report], report.summary
     if variant == "recipe-before":
-        steps = math.ceil(80 * (calibration.shape[0] - BEFORE["holdout"]) / 64)
+        steps = math.ceil(80 * split(calibration.shape[0], BEFORE["holdout"]) / 64)
         report = convert_model(model, key_dim, "tucker", calibration, "default", seed, False,
                                Recipe(refine_steps=steps, **BEFORE))
         return model, [r.as_dict() for r in report], report.summary

@@ -134,3 +134,10 @@ def test_the_fitting_views_are_drawn_only_for_a_refinement(monkeypatch, effort, 
     if effort == "fast":
         full = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=1, held_views=3)
         assert report.summary["candidates"] == full.summary["candidates"]
+
+
+@pytest.mark.parametrize("bad", [dict(views=0), dict(held_views=1.5), dict(augment="rotate")])
+def test_a_fast_conversion_still_refuses_bad_view_settings(bad: dict) -> None:
+    """The fast effort draws no fitting views, yet a bad setting is a one-line error, not silently ignored."""
+    with pytest.raises(ValueError, match="views"):
+        convert(tiny_deit(), 3, images(8), "fast", **bad)

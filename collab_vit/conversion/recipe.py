@@ -36,7 +36,7 @@ from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
 from .guard import Verdict, held_out_split, judge
 from .refine import per_image_kl, refine_logits
-from .views import augmented_views
+from .views import augmented_views, check_kind
 
 # effort: refinement passes over the fitting images (steps = passes x images / batch), and which starts are refined.
 # 160 passes: 480 steps for 192 fitting images at batch 64 (chosen with 40 and 80 by leave-one-source-out: RESULTS.md
@@ -69,6 +69,11 @@ class Recipe:
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
     decomposition: dict = field(default_factory=dict)  # max_iter, tol, dtype
+
+    def __post_init__(self) -> None:  # the views' settings, checked even where a conversion draws none
+        positive_int(self.views, "views")
+        positive_int(self.held_views, "held_views")
+        check_kind(self.augment)
 
 
 def split(n: int, holdout: Optional[int]) -> int:
@@ -165,8 +170,6 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     fitting images' views and score them with the source."""
     n = images.shape[0]
     fit = split(n, recipe.holdout)
-    positive_int(recipe.views, "views")
-    positive_int(recipe.held_views, "held_views")
     images = images[held_out_split(n, seed)]
     start = time.perf_counter()
     with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=recipe.amp):
