@@ -38,51 +38,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from numerics import U32, attention_chain, max_error, vit_chain  # noqa: E402
 
 import collab_vit  # noqa: E402
+from collab_vit.conversion import families  # noqa: E402
 from collab_vit.conversion.rotary import is_rotary  # noqa: E402
 from collab_vit.conversion.support import check_model  # noqa: E402
 from measure import replace_marked_block  # noqa: E402
 
-SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, num_classes=10)
+SMALL = families.SMALL
 IMAGES = 64
 MARKER = "vit-family"
 
-# label -> (timm name, keywords over SMALL): what the conversion covers
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "ViT (augreg)": ("vit_tiny_patch16_224", {}),
-    "ViT, no qkv bias": ("vit_tiny_patch16_224", dict(qkv_bias=False)),
-    "DeiT": ("deit_tiny_patch16_224", {}),
-    "DeiT distilled (distillation token)": ("deit_tiny_distilled_patch16_224", {}),
-    "DeiT-III (layer scale, no class-token position)": ("deit3_small_patch16_224", {}),
-    "registers, average pool, no class token": ("vit_medium_patch16_reg4_gap_256", {}),
-    "CLIP image tower (pre-norm, eps 1e-5)": ("vit_base_patch16_clip_224", {}),
-    "SigLIP image tower (attention-pool head)": ("vit_base_patch16_siglip_224", {}),
-    "DINOv2 (layer scale)": ("vit_small_patch14_dinov2", {}),
-    "DINOv2 with registers": ("vit_small_patch14_reg4_dinov2", {}),
-    "parallel blocks (two attentions per block)": ("vit_small_patch16_18x2_224", {}),
-    "BEiT (relative position bias, layer scale)": ("beit_base_patch16_224", {}),
-    "EVA-01 (no rope, fused qkv with q/v biases)": ("eva_giant_patch14_224", dict(qkv_bias=True)),
-    "EVA, separate q/k/v projections, scale norm": ("eva_giant_patch14_224", dict(qkv_fused=False, scale_attn_inner=True)),
-}
-# label -> (timm name, keywords over SMALL): rotary attention, exact at full rank (compressed: conversion/rotary_fit.py)
-ROTARY: dict[str, tuple[str, dict[str, Any]]] = {
-    "DINOv3 (class token + 4 registers)": ("vit_small_patch16_dinov3", {}),
-    "DINOv3 with qkv bias": ("vit_small_patch16_dinov3_qkvb", {}),
-    "EVA-02 (fused qkv, q/v biases)": ("eva02_tiny_patch14_224", {}),
-    "EVA-02, separate q/k/v, scale norm": ("eva02_tiny_patch14_224", dict(qkv_fused=False, scale_attn_inner=True)),
-    "PE core (q/k/v biases, attention-pool head)": ("vit_pe_core_tiny_patch16_384", {}),
-    "RoPE-ViT axial": ("vit_small_patch16_rope_224", {}),
-    "RoPE-ViT axial + absolute position": ("vit_small_patch16_rope_ape_224", {}),
-    "rope, 1 register, average pool": ("vit_base_patch16_rope_reg1_gap_256", {}),
-}
+# label -> (timm name, keywords over SMALL), from the package's one table (collab_vit/conversion/families.py)
+CASES: dict[str, tuple[str, Optional[dict[str, Any]]]] = {
+    d.label: (d.model, d.kwargs) for d in families.converting_designs(rotary=False)}
+# rotary attention, exact at full rank (compressed: conversion/rotary_fit.py)
+ROTARY: dict[str, tuple[str, Optional[dict[str, Any]]]] = {
+    d.label: (d.model, d.kwargs) for d in families.converting_designs(rotary=True)}
 ROPE_CHAIN = 4  # per rotary layer: the rotation (a 2-term sum) and its sin / cos evaluated in float32 (~1 u each)
 # label -> (timm name, keywords over SMALL): refused, with the reason check_model gives
-REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
-    "ViT with qk_norm": ("vit_tiny_patch16_224", dict(qk_norm=True)),
-    "RoPE-ViT with mixed rope (frequencies learned per head)": ("vit_small_patch16_rope_mixed_224", {}),
-    "EVA-02 with qk_norm": ("eva02_tiny_patch14_224", dict(qk_norm=True)),
-    "EVA-01 with qk_norm": ("eva_giant_patch14_224", dict(qk_norm=True)),
-    "ResNet-18 (no attention)": ("resnet18", None),
-}
+REFUSED: dict[str, tuple[str, Optional[dict[str, Any]]]] = {
+    d.label: (d.model, d.kwargs) for d in families.refused_designs()}
 
 
 @dataclass
@@ -250,7 +224,8 @@ def format_table(rows: list[Row], rotary: list[RotaryRow], refused: dict[str, st
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--doc", type=Path, help=f"rewrite the {MARKER} block of this Markdown file with the table")
+    parser.add_argument("--doc", type=Path, help=f"rewrite the {MARKER} block of this Markdown file with the table "
+                        f"(and its {families.MARKER} block with the package's table of families)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     table = format_table([measure(label) for label in CASES], [measure_rotary(label) for label in ROTARY],
@@ -258,6 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table)
     if args.doc:
         replace_marked_block(args.doc, MARKER, table)
+        replace_marked_block(args.doc, families.MARKER, families.markdown())
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 
 from .checks import positive_int
 from .console import run_command
+from .conversion.families import family_names_short
 from .conversion.fit import METHODS
 from .conversion.recipe import EFFORTS
 from .conversion.reparam import reparametrize
@@ -95,7 +96,8 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
                        data_config: Optional[dict[str, Any]] = None, seed: int = 0,
                        batch_size: int = 64) -> torch.utils.data.DataLoader:
     """``images`` (a positive int: the flag's value, checked as it is read) images drawn at random (seeded) from a
-    split, in the model's evaluation transform.
+    split (all of them, said in one line, where it holds fewer), in the model's evaluation transform, whatever their
+    stored size.
 
     The split is read as ``eval.py`` reads it (``training.data.build_dataset``: ``dataset`` '' = ImageFolder,
     ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
@@ -104,9 +106,13 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     from timm.data import create_transform, resolve_data_config
 
     from .training.data import build_dataset
+    from .weights_io import model_pipeline
 
-    cfg = resolve_data_config(dict(data_config or {}), model=model)
+    cfg = resolve_data_config(dict(data_config or model_pipeline(model)), model=model)
     data = build_dataset(dataset, data_dir, split, is_training=False)
+    if len(data) < images:
+        print(f"note: --calibration-images {images} asked, {data_dir} holds {len(data)}: using {len(data)}",
+              flush=True)
     # an unreadable image stops the conversion, named: skipping it would change the seeded draw the file records
     data.bad_image_hint = "remove or replace it: convert does not skip images, so --seed draws the recorded set"
     data.transform = create_transform(cfg["input_size"], is_training=False, interpolation=cfg["interpolation"],
@@ -168,10 +174,14 @@ def _convert(args: argparse.Namespace) -> None:
 def _analyze(args: argparse.Namespace) -> None:
     from .conversion.files import analyze_to_files
 
-    table, suggestion, budget = analyze_to_files(args.model, args.checkpoint, args.plot, args.threshold,
-                                                 calibration=_calibration(args))
+    from .training.config import parse_key_value_pairs
+
+    model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
+    table, suggestion, budget = analyze_to_files(args.model, args.checkpoint, args.out, args.threshold,
+                                                 calibration=_calibration(args), model_kwargs=model_kwargs)
     print(table)
-    print(f"plot: {args.plot}\nsuggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}\n"
+    print(f"wrote {args.out / 'spectrum.md'} and {args.out / 'spectrum.png'}\n"
+          f"suggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}\n"
           f"suggested budget (the same {args.threshold:.0%} of the energy summed over the layers, spread by marginal "
           f"gain): --key-dim {budget}")
 
@@ -180,6 +190,22 @@ def _prepare_data(args: argparse.Namespace) -> None:
     from .training.datasets import prepare_fashion_mnist
 
     print(f"Fashion-MNIST ready in {prepare_fashion_mnist(args.root, args.source)}")
+
+
+FAMILY_LIST = ", ".join(family_names_short())
+REFUSED_TEXT = ("Models that cannot convert (qk_norm, mixed rope, no self-attention, already collaborative) are "
+                "refused with one line before anything is downloaded or written.")
+
+
+def add_source_flags(parser: argparse.ArgumentParser) -> None:
+    """--model, --checkpoint, --model-kwargs: the source model, as convert and analyze read it."""
+    parser.add_argument("--model", help="timm model name, e.g. deit_base_patch16_224 (default: read from the "
+                        "checkpoint)")
+    parser.add_argument("--checkpoint", help="weights file (.pth/.safetensors) for --model, or none: its random "
+                        "initialisation (seeded by --seed); default: timm's pretrained weights")
+    parser.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10 "
+                        "(default: none, the name's or the checkpoint's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,19 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     convert = commands.add_parser(
-        "convert", help="re-parametrise a timm ViT (DeiT, DeiT-III, augreg, CLIP, SigLIP, DINOv2, registers, ...) "
-        "into collaborative attention",
-        description="Convert a timm ViT built from timm's Attention into collaborative attention. Recommended: "
-        "--key-dim K (or budget=F) with calibration images (--calibration-data-dir ...): candidates are measured on "
-        "held-out images and the result is never worse there than the weight-only conversion. Models that cannot "
-        "convert (qk_norm, rope, ...) are refused with one line before anything is downloaded or written.")
-    convert.add_argument("--model", help="timm model name, e.g. deit_base_patch16_224 (default: read from the "
-                         "checkpoint)")
-    convert.add_argument("--checkpoint", help="weights file (.pth/.safetensors) for --model; default: timm's "
-                         "pretrained weights")
-    convert.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
-                         help="the source's architecture where it is not the name's, e.g. img_size=384 num_classes=10 "
-                         "(default: none, the name's or the checkpoint's)")
+        "convert", help=f"re-parametrise a timm ViT ({FAMILY_LIST}, ...) into collaborative attention",
+        description=f"Convert a timm ViT ({FAMILY_LIST}, ...) into collaborative attention (rotary ones per "
+        "frequency, an even key dim). Recommended: --key-dim K (or budget=F) with calibration images "
+        "(--calibration-data-dir ...): candidates are measured on held-out images and the result is never worse "
+        f"there than the weight-only conversion. {REFUSED_TEXT}")
+    add_source_flags(convert)
     convert.add_argument("--key-dim", required=True, help="int (every layer), comma list (per layer), budget=F "
                          "(F of the source's q/k parameters, spread over the layers) or an energy threshold (0.95)")
     convert.add_argument("--method", choices=list(METHODS), default="tucker",
@@ -223,15 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
                       "images)")
     convert.set_defaults(run=_convert)
 
-    analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot")
-    analyze.add_argument("--model", help="timm model name (default: read from the checkpoint)")
-    analyze.add_argument("--checkpoint", help="weights file (.pth/.safetensors); default: timm's pretrained")
-    analyze.add_argument("--plot", type=Path, default=Path("spectrum.png"),
-                         help="PNG of the spectra, one curve per layer (default: %(default)s)")
+    analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot",
+                                  description=f"The redundancy spectrum of every attention layer (section 3.1; "
+                                  f"rotary layers per frequency, in shared pairs), a suggested key dim and budget, "
+                                  f"for the models convert takes ({FAMILY_LIST}, ...). {REFUSED_TEXT}")
+    add_source_flags(analyze)
+    analyze.add_argument("--out", type=Path, required=True,
+                         help="folder for spectrum.md (table, suggestions) and spectrum.png (one curve per layer)")
     analyze.add_argument("--threshold", type=float, default=0.95,
                          help="energy fraction every layer keeps in the suggested key dim (default: %(default)s)")
-    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw (default: "
-                         "%(default)s)")
+    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw and of --checkpoint "
+                         "none's weights (default: %(default)s)")
     add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)
 

@@ -60,10 +60,11 @@ def heads_table(spectra: list, heads: list) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def analyze(checkpoint: Path, plot: Path, log: Path) -> None:
+def analyze(checkpoint: Path, out: Path, log: Path) -> None:
+    """``collab-vit analyze`` into the folder ``out`` (its spectrum.md and spectrum.png)."""
     with open(log, 'a') as f:
-        subprocess.run([sys.executable, '-m', 'collab_vit.cli', 'analyze', '--checkpoint', str(checkpoint), '--plot',
-                        str(plot)], cwd=ROOT, env=env_for_children(), stdout=f, stderr=subprocess.STDOUT, check=True)
+        subprocess.run([sys.executable, '-m', 'collab_vit.cli', 'analyze', '--checkpoint', str(checkpoint), '--out',
+                        str(out)], cwd=ROOT, env=env_for_children(), stdout=f, stderr=subprocess.STDOUT, check=True)
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
     init = initial_weights(args.trained, args.results / 'init.safetensors')
     tables, spectra, heads = {}, {}, {}
     for name, checkpoint in (('trained', args.trained), ('init', init)):
-        analyze(checkpoint, args.results / f'{name}_spectrum.png', args.results / 'analyze.log')  # the CLI's output
+        analyze(checkpoint, args.results / f'{name}_analyze', args.results / 'analyze.log')  # the CLI's output
         model, model_name, kwargs, _ = load_source(None, str(checkpoint))
         spectra[name] = layer_spectra(model)
         heads[name] = per_head_dims(model)

@@ -111,9 +111,9 @@ def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=3, val_per_class=1)
     source = exported(tmp_path)
     capsys.readouterr()
-    assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "w.png"),
+    assert cli_main(["analyze", "--checkpoint", source, "--out", str(tmp_path / "w"),
                      "--calibration-data-dir", data, "--calibration-images", "5"]) == 0
     assert "spectrum of the bilinear forms: whitened by 5 calibration images" in capsys.readouterr().out
-    assert cli_main(["analyze", "--checkpoint", source, "--plot", str(tmp_path / "p.png")]) == 0
+    assert cli_main(["analyze", "--checkpoint", source, "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "spectrum of the bilinear forms: weights" in out and "suggested budget" in out and "--key-dim budget=" in out

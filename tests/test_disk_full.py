@@ -131,10 +131,10 @@ def test_convert_on_a_full_disk(disk, out, tmp_path, capsys):
 
 def test_analyze_plot_on_a_full_disk(disk, tmp_path, capsys):
     source = source_file(tmp_path)
-    plot = disk.folder / 'spectrum.png'
+    out = disk.folder / 'spectrum'
     with disk.full(), pytest.raises(SystemExit) as exit_info:
-        cli_main(['analyze', '--checkpoint', source, '--plot', str(plot)])
-    assert disk.reason in one_line_error(capsys, exit_info.value.code, 1, plot)
+        cli_main(['analyze', '--checkpoint', source, '--out', str(out)])
+    assert disk.reason in one_line_error(capsys, exit_info.value.code, 1, out)
     assert listing(disk.folder) == {}
 
 

@@ -42,6 +42,15 @@ def test_eval_training_checkpoint(trained, tmp_path):
     assert r['loss'] == pytest.approx(last['val_loss'], rel=1e-5)
 
 
+def test_no_top5_for_five_classes_or_fewer(trained, tmp_path, capsys):
+    """3 classes: every label is among the top 5, so eval.py neither prints nor records a top-5 (it printed 100.00)."""
+    data, out, last = trained
+    capsys.readouterr()
+    r = _eval(tmp_path, '--checkpoint', str(out / 'model.safetensors'), '--data-dir', data)
+    printed = capsys.readouterr().out
+    assert r['top5'] is None and last['top5'] is None and 'top-1' in printed and 'top-5' not in printed, printed
+
+
 def test_eval_ema_weights(trained, tmp_path):
     data, out, last = trained
     r = _eval(tmp_path, '--checkpoint', str(out / 'last.pth'), '--use-ema', '--data-dir', data)

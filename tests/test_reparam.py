@@ -202,8 +202,9 @@ def test_convert_and_analyze_a_file_this_package_wrote(tmp_path) -> None:
     with torch.no_grad():
         assert torch.equal(loaded.eval()(x), expected.eval()(x))
 
-    assert cli_main(["analyze", "--checkpoint", str(trained), "--plot", str(tmp_path / "s.png")]) == 0
-    assert (tmp_path / "s.png").stat().st_size > 0
+    assert cli_main(["analyze", "--checkpoint", str(trained), "--out", str(tmp_path / "s")]) == 0
+    assert (tmp_path / "s" / "spectrum.png").stat().st_size > 0
+    assert "suggested key_dim" in (tmp_path / "s" / "spectrum.md").read_text()
     with pytest.raises(SystemExit):
         cli_main(["convert", "--model", "deit_base_patch16_224", "--checkpoint", str(trained), "--key-dim", "8",
                   "--out", str(tmp_path / "x.safetensors")])  # the file says deit_tiny: refused, nothing written

@@ -289,11 +289,31 @@ def test_refusals_one_line_model_untouched(label: str, monkeypatch) -> None:
     assert all(torch.equal(state[k], before[1][k]) for k in state)
 
 
-def test_spectrum_of_rotary_attention_is_refused_in_one_line() -> None:
-    from collab_vit.conversion.spectrum import layer_spectra
+def test_spectrum_of_rotary_attention_is_per_frequency() -> None:
+    """Section 3.1 under rope: each frequency's share of its heads' joint energy in its first 1, 2, 3 shared pairs
+    is ``1 - error / energy`` of the per-frequency fit at that rank, recomputed here from the fit itself; the
+    spectrum counts pairs (two dims each) and ends at full rank; calibration images are refused in one line."""
+    from collab_vit.conversion import rotary_fit
+    from collab_vit.conversion.spectrum import layer_spectra, suggest_key_dim
 
-    with pytest.raises(ValueError, match=r"^the spectrum of rotary attention \(blocks.0.attn\): not yet$"):
-        layer_spectra(vit_family.create(*vit_family.ROTARY["EVA-02, separate q/k/v, scale norm"]))
+    model = vit_family.create(*vit_family.ROTARY["EVA-02, separate q/k/v, scale norm"])
+    spectra = layer_spectra(model)
+    for spectrum, block in zip(spectra, model.blocks):
+        freqs = rotary_fit.frequencies(block.attn)
+        energy = freqs.energy.sum(1)
+        for p in range(freqs.u.shape[0]):
+            fits = rotary_fit.fit_frequency(freqs.u[p], freqs.conj_v[p])
+            want = torch.tensor([1 - fits[r].error / float(energy[p]) for r in (1, 2, 3)], dtype=torch.float64)
+            assert torch.allclose(spectrum.pair_shares[p], want, rtol=0, atol=1e-12)
+            strongest = freqs.energy[p].sort(descending=True).values.cumsum(0)[:3] / energy[p]
+            assert (spectrum.pair_shares[p] >= strongest - 1e-9).all()  # never below keeping the strongest heads
+        full = block.attn.num_heads * block.attn.head_dim
+        assert (spectrum.pair_shares.diff(dim=1) >= 0).all() and spectrum.total_dims == full
+        assert spectrum.cumulative_energy[-1] == pytest.approx(1.0, abs=1e-12)
+        assert all(d % 2 == 0 for d in spectrum.dims_needed.values())
+    assert suggest_key_dim(spectra, 1.0) == full
+    with pytest.raises(ValueError, match=r"^the whitened spectrum of rotary attention"):
+        layer_spectra(model, torch.randn(2, 3, 32, 32))
 
 
 ROPE_FLAGS = ["--model", vit_family.ROTARY["RoPE-ViT axial"][0], "--model-kwargs",
@@ -321,6 +341,7 @@ def test_convert_cli_rotary_full_rank_and_refusal(tmp_path: Path, capsys, monkey
     assert torch.equal(vit_family.logits(again, x), vit_family.logits(collab_vit.reparametrize(source, progress=False),
                                                                       x))
     monkeypatch.setattr(timm.models._builder, "load_pretrained", lambda *a, **k: pytest.fail("loaded weights"))
+    capsys.readouterr()  # the conversion's progress bar (one per layer: rotary conversions show it too)
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["convert", *ROPE_FLAGS, "--key-dim", "15", "--out", str(tmp_path / "small")])
     err = capsys.readouterr().err.strip()

@@ -81,8 +81,8 @@ def test_save_pretrained(umask, tmp_path):
 
 
 def test_spectrum_plot(umask, tmp_path):
-    plot = tmp_path / 'plots' / 'spectrum.png'
-    assert cli_main(['analyze', '--checkpoint', source_file(tmp_path), '--plot', str(plot)]) == 0
+    assert cli_main(['analyze', '--checkpoint', source_file(tmp_path), '--out', str(tmp_path / 'plots')]) == 0
+    assert sorted(os.listdir(tmp_path / 'plots')) == ['spectrum.md', 'spectrum.png']
     assert modes(tmp_path / 'plots', umask) == {}
 
 

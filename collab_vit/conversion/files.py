@@ -8,15 +8,21 @@ and keyword arguments, which are then used as they are (any size, image size, ch
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
+from urllib.parse import urlparse
 
 import timm
+import torch
 import torch.nn as nn
 
 from ..checks import is_integer
+from ..layers.construction import full_rank
 from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_budget, suggest_key_dim
-from ..weights_io import HUB_OUTPUT, check_output_folder, export_writer, model_pipeline, read_weights, write_together
+from ..weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_folder, export_writer, model_pipeline,
+                          one_line, read_weights, write_folder, write_together)
 from .calibration import DEFAULT_RIDGE, calibration_images
 from .budget import BUDGET_PREFIX, KeyDimSpec
 from .recipe import Recipe
@@ -26,19 +32,29 @@ from .rotary import check_rotary_spec
 from .support import Support, check_model
 
 
-def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kwargs: Optional[dict[str, Any]] = None
-                ) -> tuple[nn.Module, str, dict[str, Any], dict[str, Any]]:
+RANDOM = "none"  # --checkpoint none: the architecture's random initialisation (to try the tool, or offline)
+
+
+def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kwargs: Optional[dict[str, Any]] = None,
+                seed: int = 0) -> tuple[nn.Module, str, dict[str, Any], dict[str, Any]]:
     """The source model in eval mode, its name, its keyword arguments and the checkpoint's metadata.
 
     A checkpoint that records ``model_name`` / ``model_kwargs`` (this package's exports) is loaded strictly into
     that model; other files (timm / DeiT ``.pth``) go through timm's pretrained path for ``model``, with
     ``model_kwargs`` (e.g. ``img_size``, ``patch_size``, ``depth``, ``num_classes``) describing their architecture
-    (the file's classifier is kept whatever its number of classes); with no checkpoint, timm's pretrained weights
-    for ``model`` are downloaded.
+    (the file's classifier is kept whatever its number of classes); a file that does not fit is one line naming
+    the first keys and shapes that differ. ``checkpoint="none"`` builds ``model``'s random initialisation (seeded);
+    with no checkpoint, timm's pretrained weights for ``model`` are downloaded (an unreachable hub is one line, at
+    once, naming ``--checkpoint``).
     """
     kwargs = dict(model_kwargs or {})
     meta: dict[str, Any] = {}
     overlay: dict[str, Any] = {}
+    if checkpoint == RANDOM:
+        if not model:
+            raise ValueError("--checkpoint none (random weights) needs --model")
+        torch.manual_seed(seed)
+        return _create(model, kwargs).eval(), model, kwargs, meta
     if checkpoint is not None:
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
@@ -49,6 +65,7 @@ def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kw
                 raise ValueError(f"{checkpoint} holds {recorded!r}, not --model {model!r}")
             kwargs = {**(meta.get("model_kwargs") or {}), **kwargs}
             source = _create(recorded, kwargs)
+            check_fit(source.state_dict(), state, str(checkpoint))
             source.load_state_dict(state, strict=True)
             return source.eval(), recorded, kwargs, meta
         if not model:
@@ -56,9 +73,57 @@ def load_source(model: Optional[str], checkpoint: Optional[str] = None, model_kw
         overlay = dict(file=str(checkpoint))
         if "num_classes" in kwargs:  # the file's head: timm would drop a head whose size differs from its cfg's
             overlay["num_classes"] = kwargs["num_classes"]
-    elif not model:
+        try:
+            source = _create(model, kwargs, pretrained=True, pretrained_cfg_overlay=overlay)
+        except RuntimeError as error:  # torch's load_state_dict: its lines after the first name the keys
+            check_fit(_create(model, kwargs, device="meta").state_dict(), state, str(checkpoint))
+            raise ValueError(" ".join(str(error).split())) from None
+        return source.eval(), model, kwargs, meta
+    if not model:
         raise ValueError("give --model (timm's pretrained weights) or --checkpoint FILE")
-    return _create(model, kwargs, pretrained=True, pretrained_cfg_overlay=overlay or None).eval(), model, kwargs, meta
+    return _download(model, kwargs).eval(), model, kwargs, meta
+
+
+def _download(model: str, kwargs: dict[str, Any]) -> nn.Module:
+    """``model`` with timm's pretrained weights; where their host cannot be reached (probed for a few seconds,
+    unless a proxy or the hub's offline mode is set), a one-line error naming ``--checkpoint`` instead of the hub
+    library's retries."""
+    why = unreachable(weights_host(model))
+    hint = (f"give --checkpoint FILE (the weights of {model}, .pth or .safetensors) or --checkpoint none (random "
+            f"weights)")
+    if why:
+        raise ValueError(f"cannot download timm's pretrained weights for {model} ({why}): {hint}")
+    try:
+        return _create(model, kwargs, pretrained=True)
+    except (OSError, RuntimeError) as error:  # the hub library's errors (connection, missing file, ...)
+        raise ValueError(f"cannot download timm's pretrained weights for {model} ({one_line(error)}): {hint}") from None
+
+
+def weights_host(model: str) -> Optional[str]:
+    """The host timm downloads ``model``'s weights from (the Hugging Face hub's, or its cfg's URL), None if none."""
+    from huggingface_hub import constants
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(model)
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        return None
+    return urlparse(constants.ENDPOINT if cfg.hf_hub_id else cfg.url).hostname
+
+
+def unreachable(host: Optional[str], timeout: float = 5.0) -> Optional[str]:
+    """Why ``host`` cannot be reached on HTTPS within ``timeout`` s (None: reachable, or not ours to probe: no host,
+    a proxy set, or the hub's offline mode, which reads its cache)."""
+    from huggingface_hub import constants
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    if host is None or constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in proxies):
+        return None
+    port = urlparse(constants.ENDPOINT).port if host == urlparse(constants.ENDPOINT).hostname else None
+    try:
+        socket.create_connection((host, port or 443), timeout=timeout).close()
+    except OSError as error:
+        return f"{host} unreachable: {error.strerror or error}"
+    return None
 
 
 def _create(name: str, kwargs: dict[str, Any], **extra: Any) -> nn.Module:
@@ -71,6 +136,8 @@ def _create(name: str, kwargs: dict[str, Any], **extra: Any) -> nn.Module:
 def weights_origin(model: nn.Module, checkpoint: Optional[str]) -> str:
     """Where the source's weights came from, as a hub folder records it: ``"checkpoint FILE"`` (the file's name) for
     ``--checkpoint``, else timm's pretrained tag (``name.tag``) :func:`load_source` downloaded."""
+    if checkpoint == RANDOM:
+        return "random initialisation (--checkpoint none)"
     if checkpoint is not None:
         return f"checkpoint {Path(checkpoint).name}"
     cfg = model.pretrained_cfg
@@ -108,7 +175,7 @@ def check_key_dims(key_dim: Union[None, int, float, list[int]], model: nn.Module
     layers = timm_attention_layers(model)
     dims = key_dim if isinstance(key_dim, list) else [key_dim] * len(layers)
     for (name, attn), dim in zip(layers, dims):
-        full = attn.attn_dim
+        full = full_rank(attn)
         if is_integer(dim) and dim > full:
             raise ValueError(f"--key-dim {dim} is beyond the full rank {full} of {name} (num_heads x head_dim): the "
                              f"conversion is exact at {full}, a larger key dim only adds zero columns")
@@ -184,7 +251,7 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         raise ValueError(f"--out {out}: a folder output needs save_folder (collab_vit.save_pretrained)")
     if model_name:
         check_source(model_name, model_kwargs, key_dim)  # an unsupported model fails before any download
-    model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs)
+    model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs, seed)
     support = check_model(model)
     check_key_dims(key_dim, model)
     model.to(device)
@@ -215,16 +282,32 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     return reports
 
 
-def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], plot: Path, threshold: float = 0.95,
+ANALYZE_OUTPUT = ("spectrum.md", "spectrum.png")  # what ``collab-vit analyze`` writes into its --out folder
+
+
+def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: Path, threshold: float = 0.95,
                      calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
-                     ridge: float = DEFAULT_RIDGE) -> tuple[str, int, str]:
-    """Per-layer spectrum table (Markdown), PNG plot, the key dim suggested at ``threshold`` and a budget (``budget=F``:
-    the dims the threshold keeps summed over the layers, as a fraction of the source's); with ``calibration(model,
-    metadata)`` images, of the whitened forms (the table's last line says which)."""
-    model, model_name, _, meta = load_source(model_name, checkpoint)
+                     model_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, int, str]:
+    """Per-layer spectrum table (Markdown), the key dim suggested at ``threshold`` and a budget (``budget=F``: the
+    dims the threshold keeps summed over the layers, as a fraction of the source's); with ``calibration(model,
+    metadata)`` images, of the whitened forms (the table's last line says which). ``out``, a folder written all or
+    none, gets ``spectrum.md`` (the table and the suggestions) and ``spectrum.png`` (the plot)."""
+    check_output_folder(str(out), ANALYZE_OUTPUT)  # before any work: other files are never mixed in
+    if model_name:
+        check_source(model_name, model_kwargs)
+    model, model_name, _, meta = load_source(model_name, checkpoint, model_kwargs)
     images = None if calibration is None else calibration_images(calibration(model, meta), probe_input_size(model))
-    spectra = layer_spectra(model, images, ridge)
+    spectra = layer_spectra(model, images, DEFAULT_RIDGE)
     which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"
-    plot_spectra(spectra, plot, title=f"{model_name}: key/query redundancy (section 3.1; {which})")
     table = format_spectrum_table(spectra) + f"\nspectrum of the bilinear forms: {which}\n"
-    return table, suggest_key_dim(spectra, threshold), suggest_budget(spectra, threshold)
+    key_dim, budget = suggest_key_dim(spectra, threshold), suggest_budget(spectra, threshold)
+    text = (f"# {model_name}: key/query redundancy (section 3.1)\n\n{table}\nsuggested key_dim ({threshold:.0%} of "
+            f"the energy in every layer): {key_dim}\nsuggested budget: --key-dim {budget}\n")
+
+    def fill(folder: str) -> None:
+        plot_spectra(spectra, Path(folder) / "spectrum.png", title=f"{model_name}: key/query redundancy (section "
+                     f"3.1; {which})")
+        atomic_write(str(Path(folder) / "spectrum.md"), lambda f: f.write(text.encode()))
+
+    write_folder(str(out), fill, ANALYZE_OUTPUT)
+    return table, key_dim, budget

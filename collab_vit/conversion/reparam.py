@@ -176,7 +176,7 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     layers = timm_attention_layers(model)
     rotary = any(is_rotary(attn, model) for _, attn in layers)
     if rotary and (calibration is None or as_spec(key_dim) is None):  # weight-only, per frequency (``rotary_fit.py``)
-        rows = convert_rotary(model, layers, key_dim, _probe(model, probe, seed))
+        rows = convert_rotary(model, layers, key_dim, _probe(model, probe, seed), progress)
         return ConversionReport([LayerReport(name, k, tensor, error, seconds) for name, k, tensor, error, seconds
                                  in rows])
     if calibration is None:

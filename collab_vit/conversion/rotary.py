@@ -149,13 +149,6 @@ def check_rotary_spec(model: nn.Module, layers: list[tuple[str, nn.Module]], spe
         even_dims(layers, spec)
 
 
-def refuse_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], what: str) -> None:
-    """A one-line ``ValueError`` if a layer is rotary: ``what`` (a tool for standard attention) does not cover it."""
-    name = next((name for name, attn in layers if is_rotary(attn, model)), None)
-    if name is not None:
-        raise ValueError(f"{what} of rotary attention ({name}): not yet")
-
-
 @torch.no_grad()
 def layer_calls(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor
                 ) -> list[tuple[Tensor, dict[str, Any]]]:

@@ -30,6 +30,7 @@ from ..layers.construction import full_rank, replace_submodule
 import torch
 import torch.nn as nn
 from torch import Tensor
+from tqdm import tqdm
 
 from .budget import Budget, KeyDimSpec, allocate, as_spec
 from .calibration import TokenMoments, Whitening, whitener
@@ -361,14 +362,16 @@ def only_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
         raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
 
 
-def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec, probe: Tensor
-                   ) -> list[tuple[str, int, float, float, float]]:
+def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec, probe: Tensor,
+                   progress: bool = True) -> list[tuple[str, int, float, float, float]]:
     """Swap every rotary layer of ``model`` (in place) for its collaborative layer at the key dims of ``spec``
-    (weight-only); ``(name, key dim, tensor error, output error on the ``probe`` images' tokens, seconds)``."""
+    (weight-only), with a progress bar over the layers; ``(name, key dim, tensor error, output error on the
+    ``probe`` images' tokens, seconds)``."""
     only_rotary(model, layers)
     dims = resolve_dims(layers, spec)
     rows = []
-    for (name, attn), dim, call in zip(layers, dims, layer_calls(model, layers, probe)):
+    bar = tqdm(layers, desc="rotary re-parametrisation (per frequency)", disable=not progress)
+    for (name, attn), dim, call in zip(bar, dims, layer_calls(model, layers, probe)):
         fitted = fit_rotary(attn, dim)
         rows.append((name, dim, fitted.tensor_error, output_error(fitted.layer, attn, call), fitted.seconds))
         replace_submodule(model, name, fitted.layer)

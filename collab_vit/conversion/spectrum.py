@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +25,8 @@ from .calibration import DEFAULT_RIDGE, whitening
 from .capture import source_tokens
 from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
 from .reparam import timm_attention_layers
-from .rotary import refuse_rotary
+from . import rotary_fit
+from .rotary import is_rotary
 from ..weights_io import atomic_write
 
 __all__ = [
@@ -61,11 +63,31 @@ class LayerSpectrum:
     cumulative_energy: Tensor
     dims_needed: dict[float, int]
     whitened: bool = False  # True: the spectrum of the forms whitened by calibration tokens (docs/math.md)
+    dims_per_entry: int = 1  # 2 for a rotary layer: an entry of its spectrum is one shared pair (two dims)
+    pair_shares: Optional[Tensor] = None  # rotary: (frequencies, 3) share of a frequency's energy in 1, 2, 3 pairs
 
     @property
     def total_dims(self) -> int:
-        """Length of the spectrum, ``min(D, Nh*dh)``: the dims a full-rank layer may use."""
-        return int(self.cumulative_energy.numel())
+        """The dims a full-rank layer may use: ``min(D, Nh*dh)`` (rotary: ``Nh*dh``, in pairs of dims)."""
+        return int(self.cumulative_energy.numel()) * self.dims_per_entry
+
+
+SHARED_PAIRS = (1, 2, 3)  # a rotary layer's table: each frequency's energy share in its first 1, 2, 3 shared pairs
+
+
+def rotary_spectrum(name: str, attn: nn.Module) -> LayerSpectrum:
+    """Section 3.1 under rope: a rotary layer's heads share a frequency's complex pairs (``rotary_fit.py``), so its
+    spectrum counts shared pairs (the per-frequency fits at every rank, pairs spread over the frequencies as the
+    weight-only conversion spreads them) and each frequency's share of its heads' joint energy held by its first 1,
+    2, 3 shared pairs (RESULTS.md (c) under rope)."""
+    freqs = rotary_fit.frequencies(attn)
+    planned = rotary_fit.plan(freqs)
+    energy = freqs.energy.sum(1).clamp_min(1e-300)
+    shares = torch.tensor([[1 - fits[min(r, len(fits) - 1)].error / float(energy[p]) for r in SHARED_PAIRS]
+                           for p, fits in enumerate(planned.fits)], dtype=torch.float64)
+    cumulative = planned.spectrum().double()
+    dims = {t: 2 * rank_for_energy(cumulative, t) for t in THRESHOLDS}
+    return LayerSpectrum(name, cumulative, dims, dims_per_entry=2, pair_shares=shares)
 
 
 @torch.no_grad()
@@ -81,13 +103,18 @@ def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: fl
     describes the weights, not the logits). The model is left unchanged.
 
     Raises:
-        ValueError: if the model has no ``Attention`` layer, a rotary one (its spectrum is per frequency: not yet),
-            or a layer's head dims do not fill the embedding dim (``attn_head_dim`` set), which
+        ValueError: if the model has no ``Attention`` layer, rotary layers with ``calibration`` (not yet) or beside
+            standard ones, or a layer's head dims do not fill the embedding dim (``attn_head_dim`` set), which
             ``decompose.split_qkv_heads`` does not handle.
     """
     spectra = []
     layers = timm_attention_layers(model)
-    refuse_rotary(model, layers, "the spectrum")  # per frequency: not yet (``rotary.py``)
+    if any(is_rotary(attn, model) for _, attn in layers):
+        rotary_fit.only_rotary(model, layers)
+        if calibration is not None:
+            raise ValueError("the whitened spectrum of rotary attention (calibration images): not yet; without "
+                             "--calibration-* the weights' spectrum per frequency is given")
+        return [rotary_spectrum(name, attn) for name, attn in layers]
     moments = None
     if calibration is not None:
         was_training = model.training
@@ -108,7 +135,8 @@ def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: fl
 
 
 def _dims_at(spectrum: LayerSpectrum, threshold: float) -> int:
-    return spectrum.dims_needed.get(threshold) or rank_for_energy(spectrum.cumulative_energy, threshold)
+    return spectrum.dims_needed.get(threshold) or \
+        spectrum.dims_per_entry * rank_for_energy(spectrum.cumulative_energy, threshold)
 
 
 def suggest_key_dim(spectra: list[LayerSpectrum], threshold: float = 0.95, multiple_of: int = 1) -> int:
@@ -141,10 +169,16 @@ def suggest_budget(spectra: list[LayerSpectrum], threshold: float = 0.95) -> str
 
 def format_spectrum_table(spectra: list[LayerSpectrum]) -> str:
     """Markdown table, one row per layer: dims needed for 90 / 95 / 99 % of the energy and the total dims."""
+    rotary = spectra[0].pair_shares is not None
     head = ["layer"] + [f"dims for {t:.0%}".replace("%", " %") for t in THRESHOLDS] + ["total dims"]
+    head += [f"energy share in {r} shared pair{'s' if r > 1 else ''}" for r in SHARED_PAIRS] if rotary else []
     rows = [head, ["---"] + ["---:"] * (len(head) - 1)]
-    rows += [[s.name] + [str(_dims_at(s, t)) for t in THRESHOLDS] + [str(s.total_dims)] for s in spectra]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+    for s in spectra:
+        shares = [f"{v:.3f}" for v in s.pair_shares.mean(0).tolist()] if rotary else []
+        rows.append([s.name] + [str(_dims_at(s, t)) for t in THRESHOLDS] + [str(s.total_dims)] + shares)
+    note = ("\nrotary: dims count pairs (each carries one frequency); a frequency's energy share in its first 1, 2, "
+            "3 shared pairs, mean over its frequencies\n") if rotary else ""
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n" + note
 
 
 def plot_spectra(spectra: list[LayerSpectrum], path: Path, title: str = "") -> Path:
@@ -173,7 +207,8 @@ def plot_spectra(spectra: list[LayerSpectrum], path: Path, title: str = "") -> P
     norm = Normalize(vmin=0, vmax=max(len(spectra) - 1, 1))
     for depth, s in enumerate(spectra):
         energy = s.cumulative_energy.detach().cpu().double().numpy()
-        ax.plot(range(1, len(energy) + 1), energy, color=cmap(norm(depth)), lw=1.4, label=s.name)
+        step = s.dims_per_entry
+        ax.plot(range(step, step * len(energy) + 1, step), energy, color=cmap(norm(depth)), lw=1.4, label=s.name)
     total = max(s.total_dims for s in spectra)
     for t in THRESHOLDS:
         ax.axhline(t, color="0.45", ls="--", lw=0.8, zorder=0)

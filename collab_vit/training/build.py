@@ -274,7 +274,7 @@ def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: st
     Standard-attention weights (a timm/DeiT ``.pth``) for a collaborative model are converted exactly as
     ``pretrained=True`` converts them (``collab_vit.conversion.pretrained.collab_filter_fn``: timm's ViT filter, then
     the re-parametrisation of section 3.3 at the model's key dims). With ``allow_new_head`` a classifier of another
-    size (fine-tuning to a new dataset) is left at its init.
+    size (fine-tuning to a new dataset; every classifier timm's cfg names) is left at its init.
     """
     collaborative = any(isinstance(m, CollaborativeAttention) for m in model.modules())
     if collaborative and is_standard_attention_state(state):
@@ -287,14 +287,21 @@ def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: st
             raise WeightsError(f'cannot convert the standard attention weights in {source} for this model '
                                f'({one_line(e)}); convert them first with `collab-vit convert`') from None
     own = model.state_dict()
+    heads = classifier_prefixes(model)
     if allow_new_head:
         for key in list(state):
-            if key.startswith('head.') and key in own and state[key].shape != own[key].shape:
+            if key.startswith(heads) and key in own and state[key].shape != own[key].shape:
                 _logger.warning('not loading %s: shape %s, model has %s', key, tuple(state[key].shape),
                                 tuple(own[key].shape))
                 del state[key]
-    check_fit(own, state, source, ignore_missing=('head.',) if allow_new_head else ())
+    check_fit(own, state, source, ignore_missing=heads if allow_new_head else ())
     return state
+
+
+def classifier_prefixes(model: torch.nn.Module) -> Tuple[str, ...]:
+    """The classifier's parameter prefixes, from timm's cfg (a distilled DeiT has two: ``head.``, ``head_dist.``)."""
+    names = (getattr(model, 'pretrained_cfg', None) or {}).get('classifier') or 'head'
+    return tuple(f'{name}.' for name in ((names,) if isinstance(names, str) else names))
 
 
 def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False, allow_new_head: bool = False,

@@ -301,7 +301,8 @@ def _show_progress(bar, lines: bool, epoch: int, i: int, num_batches: int, total
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: Optional[int],
              autocast=contextlib.nullcontext, progress: bool = False) -> Dict[str, float]:
-    """Top-1 / top-5 (percent), mean cross-entropy and throughput over the whole eval set, reduced over ranks.
+    """Top-1 / top-5 (percent; top-5 None for 5 classes or fewer, where it is always 100), mean cross-entropy and
+    throughput over the whole eval set, reduced over ranks.
 
     ``num_samples`` is the real number of samples on this rank (the distributed sampler's padding is dropped), or
     None where the loader yields each sample once already (an iterable data set). Counts stay on the device: one
@@ -310,7 +311,7 @@ def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: O
     model.eval()
     device = dist_info.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits
-    seen = 0
+    seen, classes = 0, 0
     start = time.perf_counter()
     show = progress and dist_info.is_main and on_terminal()  # evaluation is short: no lines in a log file
     for images, targets in tqdm(loader, desc='eval', leave=False, disable=not show):
@@ -321,6 +322,7 @@ def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: O
         with autocast():
             logits = model(images)
         logits = logits.float()
+        classes = logits.shape[1]
         hits = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
         sums += torch.stack((F.cross_entropy(logits, targets, reduction='sum').double(),
                              hits[:, 0].sum().double(), hits.any(dim=1).sum().double()))
@@ -331,5 +333,13 @@ def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: O
     extra = torch.tensor([float(seen)], dtype=torch.float64).to(device)
     loss_sum, correct1, correct5, seen = all_reduce_sum(torch.cat((sums, extra))).tolist()
     n = max(seen, 1)
-    return {'top1': 100 * correct1 / n, 'top5': 100 * correct5 / n, 'loss': loss_sum / n, 'num_samples': int(seen),
+    top5 = 100 * correct5 / n if classes > 5 else None  # with 5 classes or fewer every label is in the top 5
+    return {'top1': 100 * correct1 / n, 'top5': top5, 'loss': loss_sum / n, 'num_samples': int(seen),
             'img_per_s': seen / elapsed if elapsed > 0 else 0.0}
+
+
+def accuracy_text(metrics: Dict[str, Any], prefix: str = '') -> str:
+    """``top-1 X | top-5 Y`` of :func:`evaluate`'s metrics (``prefix``: e.g. ``ema_``); top-5 only where it says
+    something (more than 5 classes)."""
+    top5 = metrics.get(f'{prefix}top5')
+    return f"top-1 {metrics[f'{prefix}top1']:.2f}" + ('' if top5 is None else f' | top-5 {top5:.2f}')

@@ -25,7 +25,7 @@ from .build import build_model, fit_state, is_standard_attention_state, source_w
 from .config import BAD_INPUT, WORKERS_HELP, ConfigError, Parser, default_workers, parse_key_value_pairs
 from .data import build_dataset, build_eval_loader, eval_data_config, eval_shard_size
 from .distributed import cleanup_distributed, init_distributed
-from .engine import autocast_context, evaluate
+from .engine import accuracy_text, autocast_context, evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                    'num_params': sum(p.numel() for p in model.parameters()),
                    'data_config': {k: list(v) if isinstance(v, tuple) else v for k, v in data_cfg.items()}, **metrics}
         if dist_info.is_main:
-            print(f"{name}: top-1 {metrics['top1']:.2f} | top-5 {metrics['top5']:.2f} | loss {metrics['loss']:.4f} "
+            print(f"{name}: {accuracy_text(metrics)} | loss {metrics['loss']:.4f} "
                   f"| {metrics['img_per_s']:.0f} img/s | {metrics['num_samples']} images", flush=True)
             if args.output:
                 text = json.dumps(results, indent=2)

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Dict, Optional
 
 from ..weights_io import append_line, one_line
+from .engine import accuracy_text
 
 
 def _wandb_online() -> bool:
@@ -56,7 +57,7 @@ class RunLogger:
         parts = [f"epoch {record['epoch']:>3d}", f"loss {record['train_loss']:.4f}", f"lr {record['lr']:.2e}",
                  f"{record['img_per_s']:.0f} img/s"]
         if 'top1' in record:
-            parts += [f"top-1 {record['top1']:.2f}", f"top-5 {record['top5']:.2f}"]
+            parts += accuracy_text(record).split(' | ')
         if 'ema_top1' in record:
             parts.append(f"ema top-1 {record['ema_top1']:.2f}")
         parts.append(f"{record['epoch_time']:.1f}s")

@@ -162,7 +162,7 @@ def _log_start(run: Run) -> None:
     num_params = sum(p.numel() for p in run.unwrapped.parameters())
     log.info(f'{cfg.model} (key dim {_key_dim(run)}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
              f'{dist_info.device.type}: {len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val '
-             f'images, global batch {global_batch}, lr {lr:.3g}, {cfg.epochs} epochs')
+             f'images, global batch {global_batch}, lr {lr:.3g}, {cfg.epochs} epoch{"s" if cfg.epochs != 1 else ""}')
 
 
 def _restore_rng(run: Run, rng_states: Optional[list]) -> None:
