@@ -10,7 +10,10 @@ per image by default), its learning rate (``--lrs``) and steps (``--passes`` ove
 refinement: a run of fewer steps is a prefix of the longer one, same minibatches and Adam state). It drives the
 package's own ``RecipeRun``; each JSON (one per key dim, held-out count, views and lr) holds the per-image held-out
 KL and the 10k-test top-1 of both starts and of the refinement at every snapshot, and whether its fitting loss rose
-(the refinement then keeps its start, as ``refine_logits`` does).
+(the refinement then keeps its start, as ``refine_logits`` does). The held-out KL is stored twice: ``held``, on the
+held-out images as they are (what the package's guard scores, to the bit), and ``held_views``, the mean over each
+image and 7 seeded views of it (the package's guard before issue 40, kept as a measurement). The refinement starts
+from the start the package refines (the lower mean ``held``; rows before issue 40 ranked on ``held_views``).
 
 ``choose`` replays the recipe's choice (``recipe.choose``: the guard) for every setting, picks the constants by
 leave-one-source-out (for each source, the setting with the best mean top-1 change against weight-only over the
@@ -31,20 +34,23 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from data_aware import test_set, top1
 from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion.calibration import calibration_images
+from collab_vit.conversion.capture import model_outputs
 from collab_vit.conversion.files import load_source
 from collab_vit.conversion.recipe import Candidate, Recipe, RecipeRun, choose
 from collab_vit.conversion.refine import mean_kl, per_image_kl
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
+from collab_vit.conversion.views import augmented_views
 
 KEY_DIMS = (8, 4)
 IMAGES = 256
-HELD_VIEWS = 8  # the grid scores the held-out images alone and with this many views each
+HELD_VIEWS = 8  # views per held-out image of the per-view score (``held_views``; the package scores none)
 CONFIDENCES = (0.9, 0.95)
 
 
@@ -56,7 +62,7 @@ class Setting:
     views: str  # the refinement's inputs
     lr: float
     passes: int
-    held_views: int = 1  # the guard's views per held-out image
+    held_views: int = 1  # the guard's views per held-out image (1: the images as they are, the package's guard)
     confidence: float = 0.95  # the guard's
     schedule: str = "constant"  # the refinement's lr along its steps (cosine: the rows of commit fb7aaa3)
 
@@ -78,17 +84,27 @@ def cell_path(results: Path, name: str, key_dim: int, holdout: int, views: str, 
     return results / name / f"k{key_dim}_h{holdout}_{views.replace(':', 'x')}_lr{lr:g}.json"
 
 
-def scores(run: RecipeRun) -> dict:
-    """The model as it stands scored on the held-out images, per image: ``held``, the images alone (what the guard
-    sees with ``held_views=1``), and ``held_views``, the mean over each image's views (the run's ``held_views``)."""
+def guard_views(run: RecipeRun) -> tuple[Tensor, Tensor]:
+    """The held-out images and ``HELD_VIEWS - 1`` seeded views of each (of the refinement's kind, seed + 1: the
+    views the package's guard scored before issue 40), view by view, and the source's log-probabilities on them;
+    called while ``run.model`` holds the source's layers."""
+    source, recipe = run.source, run.recipe
+    inputs = augmented_views(source.held_inputs, HELD_VIEWS, recipe.augment, run.seed + 1)
+    outputs = model_outputs(run.model, inputs[source.held_inputs.shape[0]:], recipe.batch_size)
+    return inputs, torch.cat([source.held_target, F.log_softmax(outputs.float(), dim=-1)])
+
+
+def scores(run: RecipeRun, views: tuple[Tensor, Tensor]) -> dict:
+    """The model as it stands scored on the held-out images, per image: ``held``, the images as they are (what the
+    package's guard scores), and ``held_views``, the mean over each image's ``views`` (``held_views``)."""
     source, batch = run.source, run.recipe.batch_size  # as the recipe measures, so the numbers are its own to the bit
-    h = source.held_inputs.shape[0] // run.recipe.held_views
-    held = per_image_kl(run.model, source.held_inputs[:h], source.held_target[:h], batch)
-    views = per_image_kl(run.model, source.held_inputs, source.held_target, batch)
-    return {"held": held.tolist(), "held_views": views.view(run.recipe.held_views, -1).mean(0).tolist()}
+    held = per_image_kl(run.model, source.held_inputs, source.held_target, batch)
+    over = per_image_kl(run.model, *views, batch)
+    return {"held": held.tolist(), "held_views": over.view(HELD_VIEWS, -1).mean(0).tolist()}
 
 
-def trajectory(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -> tuple[list[dict], dict]:
+def trajectory(run: RecipeRun, base: Candidate, passes: list[int], test: tuple, views: tuple[Tensor, Tensor]
+               ) -> tuple[list[dict], dict]:
     """``base`` refined for the most ``passes``; at each snapshot the held-out ``scores``, the mean KL over the
     refinement's inputs and the test top-1 of the model as it stands."""
     steps = {math.ceil(p * run.source.fit / run.recipe.batch_size): p for p in passes}
@@ -99,7 +115,7 @@ def trajectory(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) 
 
     def on_step(step: int) -> None:
         if step in steps:
-            snapshots.append({"passes": steps[step], "steps": step, **scores(run),
+            snapshots.append({"passes": steps[step], "steps": step, **scores(run, views),
                               "kl_fit": mean_kl(run.model, run.source.inputs, target, run.recipe.batch_size),
                               "top1": top1(run.model, *test)})
 
@@ -120,46 +136,54 @@ def grid(args: argparse.Namespace) -> None:
         for holdout in args.holdouts:
             fits: dict[str, Candidate] = {}
             start_top1: dict[str, float] = {}
-            for views in args.views:
-                count, kind = views_of(views)
+            for spec in args.views:
+                count, kind = views_of(spec)
                 for lr in args.lrs:
-                    path = cell_path(args.results, args.name, key_dim, holdout, views, lr)
+                    path = cell_path(args.results, args.name, key_dim, holdout, spec, lr)
                     if path.exists():
                         continue
                     model = copy.deepcopy(source).eval()  # the source's layers: capture reads them
-                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr, held_views=HELD_VIEWS)
+                    recipe = Recipe(holdout=holdout, views=count, augment=kind, refine_lr=lr)
                     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
+                    views = guard_views(run)
                     if not fits:
                         dims = run.dims(key_dim)
                         for name in ("weight", "whitened"):
                             fits[name] = run.fit_start(name, dims[name])
                             start_top1[name] = top1(model, *test)
                     starts = {}
-                    for name, candidate in fits.items():  # scored on this run's held-out views
+                    for name, candidate in fits.items():  # scored on this run's held-out images and views
                         run.measure(candidate)
-                        starts[name] = {**scores(run), "top1": start_top1[name]}
-                    base = min(fits, key=lambda n: fmean(starts[n]["held_views"]))
-                    snapshots, refine = trajectory(run, fits[base], args.passes, test)
+                        starts[name] = {**scores(run, views), "top1": start_top1[name]}
+                    base = min(fits, key=lambda n: fits[n].held_kl)  # the start the package refines
+                    snapshots, refine = trajectory(run, fits[base], args.passes, test, views)
                     row = {"source": args.name, "source_top1": source_top1, "key_dim": key_dim, "holdout": holdout,
-                           "views": views, "lr": lr, "images": args.images, "fit": run.source.fit,
-                           "held_views": HELD_VIEWS, "starts": starts, "refined_from": base,
-                           "refined_from_plain": min(fits, key=lambda n: fmean(starts[n]["held"])),
+                           "views": spec, "lr": lr, "images": args.images, "fit": run.source.fit,
+                           "held_views": HELD_VIEWS, "starts": starts, "refined_from": base, "ranked_on": "held",
                            "kl_before": refine["kl_before"], "snapshots": snapshots, "seconds": refine["seconds"],
                            "commit": git_commit(), "machine": machine()}
                     path.parent.mkdir(parents=True, exist_ok=True)
                     write_json(path, row)
                     refined = " / ".join(f"{s['top1']:.2f}" for s in snapshots)
-                    print(f"{args.name} k{key_dim} held {holdout} {views} lr {lr:g}: weight "
+                    print(f"{args.name} k{key_dim} held {holdout} {spec} lr {lr:g}: weight "
                           f"{starts['weight']['top1']:.2f}, {base} {starts[base]['top1']:.2f}, refined "
                           f"{refined} at {args.passes} passes, {refine['seconds']:.0f} s", flush=True)
 
 
+def refined_start(row: dict, field: str) -> str:
+    """The start the package refines when its guard scores ``field`` (``held`` or ``held_views``): the grid's own
+    where it ranked the starts on that field (``ranked_on``: ``held_views`` before issue 40), else the lower mean."""
+    if field == row.get("ranked_on", "held_views"):
+        return row["refined_from"]
+    return min(row["starts"], key=lambda n: fmean(row["starts"][n][field]))
+
+
 def replay(row: dict, setting: Setting, seed: int = 0) -> Optional[tuple[str, float]]:
     """The candidate the recipe keeps under ``setting`` (its passes and guard) and its test top-1 (``recipe.choose``
-    on the stored per-image KLs); None where the grid did not run what the package would (a guard on the images
-    alone that ranks the starts the other way round, so the package would have refined the other start)."""
+    on the stored per-image KLs); None where the grid did not run what the package would (a guard whose scores rank
+    the starts the other way round from the grid's, so the package would have refined the other start)."""
     field = "held" if setting.held_views == 1 else "held_views"
-    if field == "held" and row["refined_from_plain"] != row["refined_from"]:
+    if refined_start(row, field) != row["refined_from"]:
         return None
     snap = next(s for s in row["snapshots"] if s["passes"] == setting.passes)
     refined_name = f"{row['refined_from']}+refine"
@@ -247,7 +271,8 @@ def report(results: Path) -> None:
              "Top-1 on the 10k test images, change against the source; 'share' is the recipe's drop over "
              "weight-only's (where weight-only loses >= 0.5: target <= 0.5, moonshot <= 1/3); 'vs weight' the "
              "recipe minus weight-only (target >= -0.05).", "",
-             f"Chosen on all sources (the package default): **{chosen['all'].label()}**.", "",
+             "Chosen on all sources (the package's constants, except that since issue 40 its guard scores no "
+             f"views): **{chosen['all'].label()}**.", "",
              "| source | top-1 | key dim | chosen without it | weight-only | recipe | vs weight | share | targets | "
              "recipe, all-source constants | recipe, old constants |",
              "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"]
@@ -324,8 +349,8 @@ def views_table(table: dict[tuple[str, int], dict[Setting, float]], best: Settin
     lines = ["## Views at equal steps", ""]
     for base in dict.fromkeys([widest, best]):
         shown = measured(base)
-        lines += [f"Recipe top-1 minus weight-only at {base.label()}, by the refinement's inputs (the guard's "
-                  "held-out views are of the same kind):", "",
+        lines += [f"Recipe top-1 minus weight-only at {base.label()}, by the refinement's inputs (a guard on views "
+                  "scores views of the same kind):", "",
                   "| source | key dim | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
         for (name, key_dim), values in sorted(table.items()):
             lines.append(f"| {name} | {key_dim} | " + " | ".join(f"{values[replace(base, views=k)]:+.2f}"

@@ -47,7 +47,7 @@ from collab_vit.training.build import build_model, load_weights
 from collab_vit.training.config import build_config
 
 VARIANTS = ["select", "uniform", "optimal", "weight", "recipe", "recipe-before"]
-BEFORE = dict(holdout=32, views=1, held_views=1)  # the recipe's constants before issue 34, with 80 passes
+BEFORE = dict(holdout=32, views=1)  # the recipe's constants before issue 34 (no views), with 80 passes
 
 
 def load(path: Path, config: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:

@@ -33,6 +33,22 @@ def test_leave_one_out_never_uses_the_source_it_reports() -> None:
     assert set(leave_one_out(table).values()) == {y}
 
 
+def test_replay_refuses_a_guard_that_ranks_the_starts_the_other_way() -> None:
+    """A row's refined start is the one its grid ranked first (``ranked_on``: the images as they are since issue 40,
+    their views before): a guard scoring the other field replays it only where that field ranks the starts alike."""
+    starts = {'weight': {'held': [0.3, 0.3], 'held_views': [0.1, 0.1], 'top1': 80.0},
+              'whitened': {'held': [0.2, 0.2], 'held_views': [0.2, 0.2], 'top1': 81.0}}
+    snap = {'passes': 8, 'held': [0.1, 0.1], 'held_views': [0.05, 0.05], 'kl_fit': 0.1, 'top1': 82.0}
+    new = {'starts': starts, 'snapshots': [snap], 'kl_before': 0.2, 'refined_from': 'whitened', 'ranked_on': 'held'}
+    old = {**new, 'refined_from': 'weight'}
+    del old['ranked_on']  # rows before issue 40 ranked the starts on their views
+    plain, views = Setting(2, 'plain', 1e-3, 8, 1, 0.95), Setting(2, 'plain', 1e-3, 8, 8, 0.95)
+    assert recipe_holds.refined_start(new, 'held') == 'whitened' and recipe_holds.replay(new, views) is None
+    assert recipe_holds.refined_start(old, 'held_views') == 'weight' and recipe_holds.replay(old, plain) is None
+    assert recipe_holds.replay(new, plain) == ('whitened+refine', 82.0)
+    assert recipe_holds.replay(old, views) == ('weight+refine', 82.0)
+
+
 def sharp_source(tmp_path) -> str:
     """The experiments' tiny random source with weights large enough that its outputs are far from uniform (the KLs
     the recipe compares are then well above round-off)."""
@@ -64,7 +80,8 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     assert '## What the guard kept' in loso and '## Each constant alone' in loso
     assert '## Views at equal steps' in out and (results / 'loso.png').stat().st_size > 10_000
 
-    # the snapshot at 16 passes is what the package's recipe returns with that many steps, to the bit
+    # the snapshot at 16 passes is what the package's recipe returns with that many steps, to the bit: the guard scores
+    # the held-out images as they are ('held'); the per-view score ('held_views') is the grid's own measurement
     from collab_vit.conversion.files import load_source
     from collab_vit.conversion.recipe import Recipe
     from collab_vit.conversion.reparam import convert_model
@@ -76,13 +93,12 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     test = test_set(str(tiny_fashion_mnist), model, meta)
     torch.set_num_threads(1)
     snap = row['snapshots'][1]
-    for held_views, field in ((8, 'held_views'), (1, 'held')):
-        converted = copy.deepcopy(model)
-        report = convert_model(converted, 4, 'tucker', images, 'default', 0, False,
-                               Recipe(holdout=6, views=2, augment='crop', refine_steps=5, held_views=held_views))
-        kept = recipe_holds.replay(row, Setting(6, 'crop:2', 1e-3, 16, held_views, 0.95))
-        if held_views == 1 and row['refined_from_plain'] != row['refined_from']:
-            assert kept is None  # the package refined the other start: the grid cannot replay it
-            continue
-        assert report.summary['candidates'][f"{row['refined_from']}+refine"] == fmean(snap[field])
-        assert report.summary['chosen'] == kept[0] and top1(converted, *test) == kept[1]
+    assert row['ranked_on'] == 'held' and len(snap['held_views']) == 6 and snap['held_views'] != snap['held']
+    converted = copy.deepcopy(model)
+    report = convert_model(converted, 4, 'tucker', images, 'default', 0, False,
+                           Recipe(holdout=6, views=2, augment='crop', refine_steps=5))
+    kept = recipe_holds.replay(row, Setting(6, 'crop:2', 1e-3, 16, 1, 0.95))
+    assert report.summary['candidates'] == {name: fmean(entry['held']) for name, entry in
+                                            [*row['starts'].items(), (f"{row['refined_from']}+refine", snap)]}
+    assert report.summary['chosen'] == kept[0] and top1(converted, *test) == kept[1]
+    assert recipe_holds.refined_start(row, 'held') == row['refined_from']  # the grid refined the package's start

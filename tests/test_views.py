@@ -94,31 +94,54 @@ def test_the_refinement_trains_on_every_view_with_the_source_outputs_as_targets(
     assert not torch.equal(F.softmax(first(probe), -1), F.softmax(plain(probe), -1))
 
 
-def test_the_guard_scores_each_held_out_image_by_the_mean_over_its_views() -> None:
-    """``held_views=3``: a candidate's held-out score is, per image, the mean KL to the source over the image and two
-    seeded views of it (``augmented_views(held, 3, augment, seed + 1)``), recomputed here by hand."""
-    from collab_vit.conversion.guard import held_out_split
-    from collab_vit.conversion.refine import per_image_kl
+def test_the_guard_scores_each_held_out_image_as_it_is(monkeypatch) -> None:
+    """The refinement trains on 3 views of each fitting image, but every candidate is scored on the held-out images
+    as they are (as the model evaluates them): its per-image score is ``KL(source || candidate)`` on each held-out
+    image, recomputed here by hand with the candidate installed, and the guard's verdicts are ``guard.judge`` on
+    those per-image scores."""
+    from collab_vit.conversion.guard import held_out_split, judge
     model, x = tiny_deit(), images(20)
-    converted = copy.deepcopy(model)
-    report = convert(converted, 3, x, "fast", holdout=4, held_views=3, augment="light", candidates=("weight",))
-    assert report.summary["held_views"] == 3 and report.summary["chosen"] == "weight"
     held = x[held_out_split(20, 0)][16:]
-    views = augmented_views(held, 3, "light", seed=1)
     with torch.no_grad():
-        target = F.log_softmax(model(views), -1)
-    by_hand = per_image_kl(converted, views, target, 64).view(3, 4).mean(0)
-    assert report.summary["candidates"]["weight"] == pytest.approx(float(by_hand.mean()), rel=1e-6)
-    alone = per_image_kl(converted, held, target[:4], 64)
-    assert abs(float(alone.mean()) - float(by_hand.mean())) > 1e-3 * float(by_hand.mean())  # the views count
+        source = F.log_softmax(model(held), -1)
+    by_hand, seen = {}, {}
+    real_measure, real_refine = recipe_module.RecipeRun.measure, recipe_module.refine_logits
+
+    def measure(run, candidate):
+        scored = real_measure(run, candidate)
+        with torch.no_grad():  # the candidate is installed in run.model
+            mine = F.log_softmax(run.model(held), -1)
+        by_hand[candidate.name] = (source.exp() * (source - mine)).sum(-1).double()
+        assert scored.held.shape == (4,)
+        assert torch.allclose(scored.held, by_hand[candidate.name], rtol=1e-5, atol=1e-9)
+        return scored
+
+    def refine(net, layers, inputs, *args, **kwargs):
+        seen["inputs"] = inputs.shape[0]
+        return real_refine(net, layers, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(recipe_module.RecipeRun, "measure", measure)
+    monkeypatch.setattr(recipe_module, "refine_logits", refine)
+    report = convert(copy.deepcopy(model), 3, x, holdout=4, views=3, augment="crop", refine_steps=4, batch_size=8)
+    s = report.summary
+    assert seen["inputs"] == 16 * 3 == s["refine_images"]  # the refinement still sees the views
+    assert set(by_hand) == set(s["candidates"]) and len(by_hand) == 3
+    assert s["measured_on"] == "held-out images as the model evaluates them"
+    for name, kl in by_hand.items():
+        assert s["candidates"][name] == pytest.approx(float(kl.mean()), rel=1e-5)
+        if name != "weight":
+            verdict = judge(name, by_hand["weight"], kl, 0.95, 0)
+            assert s["verdicts"][name]["kept"] == verdict.kept
+            for key in ("gain", "low", "high"):
+                assert s["verdicts"][name][key] == pytest.approx(getattr(verdict, key), rel=1e-4, abs=1e-9)
 
 
-@pytest.mark.parametrize("effort, pinned, scored", [("fast", None, 20 + 4 * 2), ("default", ("whitened",), 20 + 4 * 2),
-                                                    ("default", None, 20 + 16 * 2 + 4 * 2)])
+@pytest.mark.parametrize("effort, pinned, scored", [("fast", None, 20), ("default", ("whitened",), 20),
+                                                    ("default", None, 20 + 16 * 2)])
 def test_the_fitting_views_are_drawn_only_for_a_refinement(monkeypatch, effort, pinned, scored) -> None:
-    """Without a refinement (``effort="fast"``, or pinned candidates without one) the source scores the images and
-    the held-out views only: the fitting images' views feed the refinement alone (on DeiT-B they are 7 x 192 forward
-    passes). The candidates' figures are the same either way."""
+    """Without a refinement (``effort="fast"``, or pinned candidates without one) the source scores the images only:
+    the fitting images' views feed the refinement alone (on DeiT-B they are 7 x 192 forward passes) and the held-out
+    images get none. The candidates' figures are the same whatever the views' count and kind."""
     model, x = tiny_deit(), images(20)
     counted = []
     real = recipe_module.model_outputs
@@ -128,16 +151,23 @@ def test_the_fitting_views_are_drawn_only_for_a_refinement(monkeypatch, effort, 
         return real(net, inputs, *args, **kwargs)
 
     monkeypatch.setattr(recipe_module, "model_outputs", spy)
-    report = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=3, held_views=3, refine_steps=None,
+    report = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=3, augment="crop", refine_steps=None,
                      candidates=pinned)
     assert sum(counted) + 20 == scored  # + the images themselves, scored while their tokens are captured
     if effort == "fast":
-        full = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=1, held_views=3)
+        full = convert(copy.deepcopy(model), 3, x, effort, holdout=4, views=1, augment="light")
         assert report.summary["candidates"] == full.summary["candidates"]
 
 
-@pytest.mark.parametrize("bad", [dict(views=0), dict(held_views=1.5), dict(augment="rotate")])
+@pytest.mark.parametrize("bad", [dict(views=0), dict(views=1.5), dict(augment="rotate")])
 def test_a_fast_conversion_still_refuses_bad_view_settings(bad: dict) -> None:
     """The fast effort draws no fitting views, yet a bad setting is a one-line error, not silently ignored."""
     with pytest.raises(ValueError, match="views"):
         convert(tiny_deit(), 3, images(8), "fast", **bad)
+
+
+def test_the_guard_has_no_views_to_set() -> None:
+    """``Recipe.held_views`` is gone: the held-out images are scored as they are, and the old option is refused."""
+    from collab_vit.conversion.recipe import Recipe
+    with pytest.raises(TypeError, match="held_views"):
+        Recipe(held_views=8)

@@ -1,16 +1,17 @@
 """The calibrated conversion: candidates measured on held-out calibration images, never worse than weight-only.
 
 With calibration images the conversion holds part of them out (a quarter, 1 to 64, drawn by the seed), fits the
-others, and measures every candidate the same label-free way the refinement trains: per held-out image, the mean
-``KL(softmax(source outputs) || softmax(converted outputs))`` over the image and seeded views of it (logits, or
-features for a model without a head). Candidates (RESULTS.md (b): each wins somewhere): the weight-only fit; the
-whitened closed form with the class token weighted by the ``"balanced"`` rule (docs/math.md, "Query weights"); and,
-by ``effort``, the refinement (``refine.refine_logits``) of the better of the two, trained on the fitting images and
-seeded views of them (``views.py``). The weight-only fit is always measured and kept unless another candidate is
-better beyond what the held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image gain);
-of the resolved candidates the best is kept, so the result is never worse than weight-only on the held-out images.
-The constants (``Recipe``, ``EFFORTS``) were chosen by leave-one-source-out on six trained sources (RESULTS.md (b),
-``experiments/recipe_holds.py``).
+others, and measures every candidate the same label-free way the refinement trains, on the held-out images as they
+are (as the model evaluates them: no views): per held-out image, ``KL(softmax(source outputs) || softmax(converted
+outputs))`` (logits, or features for a model without a head). Candidates (RESULTS.md (b): each wins somewhere): the
+weight-only fit; the whitened closed form with the class token weighted by the ``"balanced"`` rule (docs/math.md,
+"Query weights"); and, by ``effort``, the refinement (``refine.refine_logits``) of the better of the two, trained on
+the fitting images and seeded views of them (``views.py``: the only views the conversion draws). The weight-only fit
+is always measured and kept unless another candidate is better beyond what the held-out images resolve
+(``guard.py``: a seeded bootstrap interval of the per-image gain); of the resolved candidates the best is kept, so
+the result is never worse than weight-only on the held-out images. The constants (``Recipe``, ``EFFORTS``) were
+chosen by leave-one-source-out on six trained sources, with a guard that then scored views of the held-out images
+(RESULTS.md (b), ``experiments/recipe_holds.py``).
 """
 from __future__ import annotations
 
@@ -63,8 +64,7 @@ class Recipe:
     amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
     holdout: Optional[int] = None  # held-out images; None: a quarter, 1 to 64 (drawn by the seed: guard.py)
     views: int = 8  # views of each fitting image the refinement sees, the image itself included (views.py)
-    augment: str = "crop"  # the kind of the other views, for the refinement and the guard (views.KINDS)
-    held_views: int = 8  # views of each held-out image the guard scores (per image: the mean KL over its views)
+    augment: str = "crop"  # the kind of the refinement's other views (views.KINDS); the guard scores no views
     confidence: float = 0.95  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
     max_images: Optional[int] = None
     candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
@@ -72,7 +72,6 @@ class Recipe:
 
     def __post_init__(self) -> None:  # the views' settings, checked even where a conversion draws none
         positive_int(self.views, "views")
-        positive_int(self.held_views, "held_views")
         check_kind(self.augment)
 
 
@@ -156,7 +155,7 @@ class SourceData:
     inputs: Tensor  # the refinement's inputs: the fitting images and their views (``views.py``)
     targets: Tensor  # the source's outputs on ``inputs``
     held_out: int  # held-out images (0: one image, measured on the image it was fitted on)
-    held_inputs: Tensor  # the held-out images and their views (``Recipe.held_views``), view by view
+    held_inputs: Tensor  # the held-out images, as they are
     held_target: Tensor  # the source's log-probabilities on ``held_inputs``
     moments: list  # the fitting images' token moments, per layer
     held_tokens: list  # the held-out images' tokens, per layer
@@ -180,11 +179,7 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     targets = torch.cat([outputs[:fit], model_outputs(model, inputs[fit:], recipe.batch_size)]) \
         if inputs.shape[0] > fit else outputs[:fit]
     held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
-    held_inputs = augmented_views(held_images, recipe.held_views, recipe.augment, seed + 1)
-    if held_inputs.shape[0] > held_images.shape[0]:
-        held_outputs = torch.cat([held_outputs, model_outputs(model, held_inputs[held_images.shape[0]:],
-                                                              recipe.batch_size)])
-    return SourceData(fit, inputs, targets, n - fit, held_inputs, F.log_softmax(held_outputs.float(), dim=-1),
+    return SourceData(fit, inputs, targets, n - fit, held_images, F.log_softmax(held_outputs.float(), dim=-1),
                       moments, held, peak, time.perf_counter() - start)
 
 
@@ -217,11 +212,11 @@ class RecipeRun:
             replace_submodule(self.model, name, fitted.layer.eval())
 
     def measure(self, candidate: Candidate) -> Candidate:
-        """``candidate`` installed and scored on the held-out images: per image the mean KL over its views, and the
-        mean over the images."""
+        """``candidate`` installed and scored on the held-out images as they are: the KL of each image, and the mean
+        over the images."""
         self.install(candidate.fits)
-        kl = per_image_kl(self.model, self.source.held_inputs, self.source.held_target, self.recipe.batch_size)
-        candidate.held = kl.view(self.recipe.held_views, -1).mean(0)
+        candidate.held = per_image_kl(self.model, self.source.held_inputs, self.source.held_target,
+                                      self.recipe.batch_size)
         candidate.held_kl = float(candidate.held.mean())
         return candidate
 
@@ -311,13 +306,13 @@ def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verd
     source, recipe, reference = run.source, run.recipe, found.get("weight")
     summary = {
         "images_fit": source.fit, "images_held_out": source.held_out,
-        "measured_on": ("held-out calibration images" if source.held_out else "the fitting images (one image)") +
-        (f", each over {recipe.held_views} views of it" if recipe.held_views > 1 else ""),
+        "measured_on": "held-out images as the model evaluates them" if source.held_out
+        else "the fitting images (one image)",
         "key_dims_from": run.dims_from if run.dims_from == "given" else
         f"{run.dims_from} ({best.name.split('+')[0]} spectra)",
         "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
         "prefix_weight": run.prefix_weight, "ridge": recipe.ridge, "amp": recipe.amp,
-        "views": recipe.views, "augment": recipe.augment, "held_views": recipe.held_views,
+        "views": recipe.views, "augment": recipe.augment,
         "refine_images": source.inputs.shape[0],
         "peak_token_bytes": source.peak, "capture_seconds": source.seconds, "refine_steps": steps,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
