@@ -8,4 +8,5 @@ cd "$(dirname "$0")/.."
 source scripts/venv.sh
 venv_install test
 bash tests/slurm/cluster.sh install || echo "note: Slurm could not be installed here; tests/test_slurm.py will skip"
-exec .venv/bin/python -m pytest "$@"
+# two workers on the 2-core machine, each test module on one worker (its fixtures built once; Slurm tests together)
+exec .venv/bin/python -m pytest -n 2 --dist loadscope "$@"
