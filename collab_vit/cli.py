@@ -178,7 +178,8 @@ def _analyze(args: argparse.Namespace) -> None:
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
     table, suggestion, budget = analyze_to_files(args.model, args.checkpoint, args.out, args.threshold,
-                                                 calibration=_calibration(args), model_kwargs=model_kwargs)
+                                                 calibration=_calibration(args), model_kwargs=model_kwargs,
+                                                 seed=args.seed)
     print(table)
     print(f"wrote {args.out / 'spectrum.md'} and {args.out / 'spectrum.png'}\n"
           f"suggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}\n"

@@ -118,7 +118,8 @@ def unreachable(host: Optional[str], timeout: float = 5.0) -> Optional[str]:
     proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
     if host is None or constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in proxies):
         return None
-    port = urlparse(constants.ENDPOINT).port if host == urlparse(constants.ENDPOINT).hostname else None
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port if host == endpoint.hostname else None
     try:
         socket.create_connection((host, port or 443), timeout=timeout).close()
     except OSError as error:
@@ -287,15 +288,16 @@ ANALYZE_OUTPUT = ("spectrum.md", "spectrum.png")  # what ``collab-vit analyze`` 
 
 def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: Path, threshold: float = 0.95,
                      calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
-                     model_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, int, str]:
+                     model_kwargs: Optional[dict[str, Any]] = None, seed: int = 0) -> tuple[str, int, str]:
     """Per-layer spectrum table (Markdown), the key dim suggested at ``threshold`` and a budget (``budget=F``: the
     dims the threshold keeps summed over the layers, as a fraction of the source's); with ``calibration(model,
     metadata)`` images, of the whitened forms (the table's last line says which). ``out``, a folder written all or
-    none, gets ``spectrum.md`` (the table and the suggestions) and ``spectrum.png`` (the plot)."""
+    none, gets ``spectrum.md`` (the table and the suggestions) and ``spectrum.png`` (the plot); ``seed``: of a
+    ``checkpoint="none"`` source's weights."""
     check_output_folder(str(out), ANALYZE_OUTPUT)  # before any work: other files are never mixed in
     if model_name:
         check_source(model_name, model_kwargs)
-    model, model_name, _, meta = load_source(model_name, checkpoint, model_kwargs)
+    model, model_name, _, meta = load_source(model_name, checkpoint, model_kwargs, seed)
     images = None if calibration is None else calibration_images(calibration(model, meta), probe_input_size(model))
     spectra = layer_spectra(model, images, DEFAULT_RIDGE)
     which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"
