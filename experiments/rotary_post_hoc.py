@@ -41,7 +41,7 @@ from collab_vit.conversion import rotary_fit
 from collab_vit.conversion.calibration import calibration_images
 from collab_vit.conversion.recipe import Recipe, split
 from collab_vit.conversion.reparam import convert_model, probe_input_size, reparametrize, timm_attention_layers
-from collab_vit.conversion.rotary import rotary_layer, rotary_like
+from collab_vit.conversion.rotary import rotary_layer
 from collab_vit.hub import save_pretrained
 from collab_vit.training.build import build_model, load_weights
 from collab_vit.training.config import build_config
@@ -69,25 +69,7 @@ def swap(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent), child, layer)
 
 
-def selection_layer(attn: torch.nn.Module, key_dim: int) -> torch.nn.Module:
-    """Each head keeps its ``key_dim / (2 heads)`` pairs of largest ``||Wq pair|| ||Wk pair||`` (fewer pairs than
-    heads: the strongest heads keep one; ``rotary_fit.selection_slots``): the exact layer's shared pairs
-    ``r = i dh/2 + p`` of the kept ``(i, p)`` (mixing ``e_i``), the others dropped."""
-    exact = rotary_layer(attn)
-    energy = rotary_fit.frequencies(attn).energy  # (P, H): ||T_ip||^2, the score squared
-    kept = sorted(i * energy.shape[0] + p for p, i in rotary_fit.selection_slots(energy)[:key_dim // 2])
-    dims = torch.tensor([d for r in kept for d in (2 * r, 2 * r + 1)])
-    small = rotary_like(attn, dims.numel())
-    with torch.no_grad():
-        for new, old in ((small.query, exact.query), (small.key, exact.key)):
-            new.weight.copy_(old.weight[dims])
-            if old.bias is not None:
-                new.bias.copy_(old.bias[dims])
-        small.mixing.copy_(exact.mixing[:, dims])
-        small.pair_freq.copy_(exact.pair_freq[torch.tensor(kept)])
-        small.value.load_state_dict(exact.value.state_dict())
-        small.proj.load_state_dict(exact.proj.state_dict())
-    return small
+selection_layer = rotary_fit.selection_layer  # the package's: the recipe's "select" start on rotary layers
 
 
 def per_frequency(attn: torch.nn.Module, key_dim: int, variant: str) -> torch.nn.Module:

@@ -134,8 +134,8 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
     report = collab_vit.conversion.reparam.convert_model(converted, 16, "tucker", images, "default", 0, False, recipe)
     summary = report.summary
     kl = summary["candidates"]
-    better = min(("weight", "whitened"), key=lambda start: kl[start])
-    assert set(kl) == {"weight", "whitened", f"{better}+refine"}
+    better = min(("weight", "whitened", "select"), key=lambda start: kl[start])
+    assert set(kl) == {"weight", "whitened", "select", f"{better}+refine"}
     if summary["chosen"].endswith("+refine"):
         assert summary["refine"]["steps"] == 6
     assert kl["weight"] != kl["whitened"]  # the whitened start is a different fit
@@ -148,6 +148,26 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
         assert torch.equal(converted(images), weight_only(images))
     else:
         assert not torch.equal(converted(images), weight_only(images))
+
+
+def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
+    """Issue 40 item 4: each head keeping its strongest pairs (``selection_layer``) is measured beside the fits; pinned,
+    the model holds exactly that layer (its pairs and the source's frequencies), exact at full rank."""
+    name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
+    model = vit_family.create(name, kwargs)
+    images = vit_family.images(24, seed=3)
+    recipe = collab_vit.conversion.recipe.Recipe(holdout=8, candidates=("select",))
+    converted = copy.deepcopy(model)
+    report = collab_vit.conversion.reparam.convert_model(converted, 8, "tucker", images, "fast", 0, False, recipe)
+    assert report.summary["chosen"] == "select" and report.summary["candidate_key_dims"]["select"] == [8, 8]
+    by_hand = copy.deepcopy(model)
+    for block in by_hand.blocks:
+        block.attn = rotary_fit.selection_layer(block.attn, 8)
+    x = vit_family.images(3, seed=5)
+    assert torch.equal(converted(x), by_hand(x))
+    assert report[0].tensor_error == pytest.approx(selection_error(model.blocks[0].attn, 1), rel=1e-5)  # 1 pair/head
+    full = rotary_fit.selection_fit(model.blocks[0].attn, rotary_fit.full_rank(model.blocks[0].attn))
+    assert full.tensor_error < 1e-6
 
 
 def test_allocations_selection_counts_and_optimal_tensor_error() -> None:

@@ -5,7 +5,8 @@ others, and measures every candidate the same label-free way the refinement trai
 are (as the model evaluates them: no views): per held-out image, ``KL(softmax(source outputs) || softmax(converted
 outputs))`` (logits, or features for a model without a head). Candidates (RESULTS.md (b): each wins somewhere): the
 weight-only fit; the whitened closed form with the class token weighted by the ``"balanced"`` rule (docs/math.md,
-"Query weights"); and, by ``effort``, the refinement (``refine.refine_logits``) of the better of the two, trained on
+"Query weights"); on rotary layers also each head keeping its strongest pairs (``rotary_fit.selection_fit``,
+issue 40); and, by ``effort``, the refinement (``refine.refine_logits``) of the better of the two, trained on
 the fitting images and seeded views of them (``views.py``: the only views the conversion draws). The weight-only fit
 is always measured and kept unless another candidate is better beyond what the held-out images resolve
 (``guard.py``: a seeded bootstrap interval of the per-image gain); of the resolved candidates the best is kept, so
@@ -133,6 +134,12 @@ class Builder:
     sides: Optional[Callable] = None
     fit: Optional[Callable] = None
     tensor_error: Optional[Callable] = None
+    extra: tuple[tuple[str, Callable], ...] = ()  # more closed-form starts, ``(name, fit(attn, key_dim))``: at the
+    # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
+
+    @property
+    def starts(self) -> tuple[str, ...]:
+        return STARTS + tuple(name for name, _ in self.extra)
 
 
 STANDARD = Builder()
@@ -205,7 +212,7 @@ class RecipeRun:
         """Each start's key dims (``start_dims``, or the builder's); where they came from: ``dims_from``."""
         dims, self.dims_from = (self.builder.dims or start_dims)(self.layers, as_spec(spec), self.source.moments,
                                                                  self.recipe.ridge, self.prefix_weight)
-        return dims
+        return {**dims, **{name: dims["weight"] for name, _ in self.builder.extra}}
 
     def install(self, fits: list[LayerFit]) -> None:
         for (name, _), fitted in zip(self.layers, fits):
@@ -221,13 +228,17 @@ class RecipeRun:
         return candidate
 
     def fit_start(self, name: str, dims: list[int]) -> Candidate:
-        """The closed-form candidate ``name`` (``STARTS``) at ``dims``, measured."""
+        """The closed-form candidate ``name`` (``Builder.starts``) at ``dims``, measured."""
         fit_layer, sides_of = self.builder.fit or fit_attention, self.builder.sides or whitening
+        extra = dict(self.builder.extra).get(name)
         options = dict(seed=self.seed, **self.recipe.decomposition)
         fits = []
         for (_, attn), rank, moments in zip(self.layers, dims, self.source.moments):
-            sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
-            fits.append(fit_layer(attn, rank, self.method, sides, **options))
+            if extra is not None:
+                fits.append(extra(attn, rank))
+            else:
+                sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
+                fits.append(fit_layer(attn, rank, self.method, sides, **options))
             if self.bar is not None:
                 self.bar.update()
         return self.measure(Candidate(name, fits))
@@ -282,7 +293,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
         recipe = replace(recipe, views=1)  # the fitting images' views feed the refinement alone: not drawn, not scored
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
     dims = run.dims(spec)
-    starts = [s for s in STARTS if pinned is None or any(c.split("+")[0] == s for c in pinned)]
+    starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
     run.progress, run.bar = progress, tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}",
                                            disable=not progress)
     with torch.autocast(next(model.parameters()).device.type, enabled=False):  # fits, refinement and measures

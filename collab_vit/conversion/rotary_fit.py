@@ -265,6 +265,34 @@ def compressed_layer(attn: nn.Module, freqs: Frequencies, fits: list[list[CP]], 
     return small
 
 
+def selection_layer(attn: nn.Module, key_dim: int) -> nn.Module:
+    """Each head keeps its ``key_dim / (2 heads)`` pairs of largest ``||T_ip||`` (fewer pairs than heads: the
+    strongest heads keep one; :func:`selection_slots`): the exact layer's shared pairs ``r = i dh/2 + p`` of the
+    kept ``(i, p)`` (mixing ``e_i``), the others dropped. The baseline RESULTS.md compares rotary conversions with."""
+    exact = rotary_layer(attn)
+    energy = frequencies(attn).energy  # (P, H)
+    kept = sorted(i * energy.shape[0] + p for p, i in selection_slots(energy)[:key_dim // 2])
+    dims = torch.tensor([d for r in kept for d in (2 * r, 2 * r + 1)], dtype=torch.long)
+    small = rotary_like(attn, dims.numel())
+    with torch.no_grad():
+        for new, old in ((small.query, exact.query), (small.key, exact.key)):
+            new.weight.copy_(old.weight[dims])
+            if old.bias is not None:
+                new.bias.copy_(old.bias[dims])
+        small.mixing.copy_(exact.mixing[:, dims])
+        small.pair_freq.copy_(exact.pair_freq[torch.tensor(kept, dtype=torch.long)])
+        small.value.load_state_dict(exact.value.state_dict())
+        small.proj.load_state_dict(exact.proj.state_dict())
+    return small
+
+
+def selection_fit(attn: nn.Module, key_dim: int) -> LayerFit:
+    """:func:`selection_layer` as the recipe's ``"select"`` start (exact at full rank, as every start)."""
+    began = time.perf_counter()
+    layer = rotary_layer(attn, key_dim) if key_dim >= full_rank(attn) else selection_layer(attn, key_dim)
+    return LayerFit(layer, key_dim, layer_error(attn, layer), None, time.perf_counter() - began)
+
+
 def layer_error(attn: nn.Module, layer: nn.Module) -> float:
     """``sqrt(sum_ip ||T_ip - T~_ip||^2 / sum_ip ||T_ip||^2)`` of a rotary layer (e.g. refined) against its source."""
     freqs = frequencies(attn)
@@ -378,4 +406,5 @@ def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: 
     return rows
 
 
-ROTARY = Builder(candidate_dims, rotary_sides, candidate_fit, layer_error)  # the recipe's candidates, rotary layers
+# the recipe's candidates on rotary layers: the per-frequency fits (weight-only, whitened) and the selection
+ROTARY = Builder(candidate_dims, rotary_sides, candidate_fit, layer_error, (("select", selection_fit),))
