@@ -347,3 +347,13 @@ def test_convert_cli_rotary_full_rank_and_refusal(tmp_path: Path, capsys, monkey
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "rotary attention needs an even key_dim" in err and "\n" not in err
     assert not (tmp_path / "small").exists()
+
+
+def test_analyze_refuses_calibrated_rotary_spectra_before_reading_images(tmp_path: Path, capsys) -> None:
+    """The refusal comes before any calibration image is read: here the folder holds none, which the read would name."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["analyze", *ROPE_FLAGS, "--checkpoint", "none", "--calibration-data-dir", str(tmp_path / "nothing"),
+                  "--out", str(tmp_path / "spectrum")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err
+    assert "the whitened spectrum of rotary attention" in err and not (tmp_path / "spectrum").exists()

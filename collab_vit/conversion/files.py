@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..checks import is_integer
 from ..layers.construction import full_rank
-from .spectrum import format_spectrum_table, layer_spectra, plot_spectra, suggest_budget, suggest_key_dim
+from .spectrum import check_spectra, format_spectrum_table, layer_spectra, plot_spectra, suggest_budget, suggest_key_dim
 from ..weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_folder, export_writer, model_pipeline,
                           one_line, read_weights, write_folder, write_together)
 from .calibration import DEFAULT_RIDGE, calibration_images
@@ -298,6 +298,7 @@ def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: 
     if model_name:
         check_source(model_name, model_kwargs)
     model, model_name, _, meta = load_source(model_name, checkpoint, model_kwargs, seed)
+    check_spectra(model, timm_attention_layers(model), calibration is not None)  # before any image is read
     images = None if calibration is None else calibration_images(calibration(model, meta), probe_input_size(model))
     spectra = layer_spectra(model, images, DEFAULT_RIDGE)
     which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"

@@ -91,6 +91,18 @@ def rotary_spectrum(name: str, attn: nn.Module) -> LayerSpectrum:
 
 
 @torch.no_grad()
+def check_spectra(model: nn.Module, layers: list[tuple[str, nn.Module]], calibrated: bool) -> bool:
+    """Whether ``layers`` are rotary (then all of them, and no calibration images: a one-line ``ValueError``), checked
+    before any calibration image is read."""
+    if not any(is_rotary(attn, model) for _, attn in layers):
+        return False
+    rotary_fit.only_rotary(model, layers)
+    if calibrated:
+        raise ValueError("the whitened spectrum of rotary attention (calibration images): not yet; without "
+                         "--calibration-* the weights' spectrum per frequency is given")
+    return True
+
+
 def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: float = DEFAULT_RIDGE
                   ) -> list[LayerSpectrum]:
     """The section 3.1 spectrum of every timm ``Attention`` layer of ``model`` (weights copied to float64 on CPU).
@@ -109,11 +121,7 @@ def layer_spectra(model: nn.Module, calibration: Tensor | None = None, ridge: fl
     """
     spectra = []
     layers = timm_attention_layers(model)
-    if any(is_rotary(attn, model) for _, attn in layers):
-        rotary_fit.only_rotary(model, layers)
-        if calibration is not None:
-            raise ValueError("the whitened spectrum of rotary attention (calibration images): not yet; without "
-                             "--calibration-* the weights' spectrum per frequency is given")
+    if check_spectra(model, layers, calibration is not None):
         return [rotary_spectrum(name, attn) for name, attn in layers]
     moments = None
     if calibration is not None:
