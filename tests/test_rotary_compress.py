@@ -114,6 +114,21 @@ def test_budget_and_threshold_exact() -> None:
             assert fewer is None or 1 - fewer.tensor_error ** 2 < threshold
 
 
+def test_weight_only_threshold_plans_each_layer_once(monkeypatch) -> None:
+    """A threshold reads the per-frequency plans and the fits at the dims it gives reuse them (no second plan)."""
+    model = vit_family.create(*vit_family.ROTARY["RoPE-ViT axial"])
+    calls = []
+    plan = rotary_fit.plan
+    monkeypatch.setattr(rotary_fit, "plan", lambda *a, **k: calls.append(1) or plan(*a, **k))
+    again = collab_vit.reparametrize(copy.deepcopy(model), 0.9, progress=False)
+    assert len(calls) == len(model.blocks)
+    monkeypatch.setattr(rotary_fit, "plan", plan)
+    dims = [b.attn.key_dim for b in again.blocks]
+    by_dims = collab_vit.reparametrize(copy.deepcopy(model), dims, progress=False)  # the same layers, planned afresh
+    x = vit_family.images(3, seed=4)
+    assert torch.equal(again(x), by_dims(x))
+
+
 def test_compressed_model_through_reparametrize_and_its_hub_folder(tmp_path: Path) -> None:
     source_model, again = convert_rope_to_folder(tmp_path, 16)
     converted = collab_vit.reparametrize(copy.deepcopy(source_model), 16, progress=False)

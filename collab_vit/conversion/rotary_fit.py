@@ -323,14 +323,23 @@ def resolve_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec,
                  sides: Optional[Sequence[tuple[Whitening, Whitening]]] = None) -> list[int]:
     """One even key dim per rotary layer from ``spec``; thresholds and budgets read the per-frequency spectra (of
     the factors whitened by ``sides``, when given)."""
+    return planned_dims(layers, spec, sides)[0]
+
+
+def planned_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec,
+                 sides: Optional[Sequence[tuple[Whitening, Whitening]]] = None
+                 ) -> tuple[list[int], Optional[list[RotaryPlan]]]:
+    """``resolve_dims`` and the per-frequency plans a threshold or budget read (None for given key dims), so that
+    the fits at those dims need not plan again (``fit_rotary(planned=)``)."""
     spec = as_spec(spec)
     given = even_dims(layers, spec)
     if given is not None:
-        return given
+        return given, None
     freqs = [frequencies(attn) for _, attn in layers]
     if sides is not None:
         freqs = [whitened(f, s) for f, s in zip(freqs, sides)]
-    return spectrum_dims(spec, [plan(f, allocation=allocation_for(sides)) for f in freqs])
+    plans = [plan(f, allocation=allocation_for(sides)) for f in freqs]
+    return spectrum_dims(spec, plans), plans
 
 
 def allocation_for(sides: object) -> str:
@@ -340,16 +349,17 @@ def allocation_for(sides: object) -> str:
 
 
 def fit_rotary(attn: nn.Module, key_dim: int, sides: Optional[tuple[Whitening, Whitening]] = None,
-               max_iter: int = MAX_ITER) -> LayerFit:
+               max_iter: int = MAX_ITER, planned: Optional[RotaryPlan] = None) -> LayerFit:
     """``attn`` at ``key_dim``: exact at full rank or above, else the per-frequency fit (of the whitened factors when
-    ``sides``, ``allocation_for``); the tensor error of the weights (and of the whitened factors)."""
+    ``sides``, ``allocation_for``; ``planned``: that plan, already made by ``planned_dims``); the tensor error of the
+    weights (and of the whitened factors)."""
     began = time.perf_counter()
     full = full_rank(attn)
     if key_dim >= full:
         return LayerFit(rotary_layer(attn, key_dim), key_dim, 0.0, None if sides is None else 0.0,
                         time.perf_counter() - began)
     freqs = frequencies(attn)
-    fitted = plan(freqs if sides is None else whitened(freqs, sides), max_iter, allocation_for(sides))
+    fitted = planned or plan(freqs if sides is None else whitened(freqs, sides), max_iter, allocation_for(sides))
     layer = compressed_layer(attn, freqs, fitted.fits, fitted.ranks[key_dim // 2], sides)
     white = None if sides is None else float(fitted.relative_error[key_dim // 2])
     return LayerFit(layer, key_dim, layer_error(attn, layer), white, time.perf_counter() - began)
@@ -396,11 +406,11 @@ def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: 
     (weight-only), with a progress bar over the layers; ``(name, key dim, tensor error, output error on the
     ``probe`` images' tokens, seconds)``."""
     only_rotary(model, layers)
-    dims = resolve_dims(layers, spec)
+    dims, plans = planned_dims(layers, spec)
     rows = []
     bar = tqdm(layers, desc="rotary re-parametrisation (per frequency)", disable=not progress)
-    for (name, attn), dim, call in zip(bar, dims, layer_calls(model, layers, probe)):
-        fitted = fit_rotary(attn, dim)
+    for index, ((name, attn), dim, call) in enumerate(zip(bar, dims, layer_calls(model, layers, probe))):
+        fitted = fit_rotary(attn, dim, planned=None if plans is None else plans[index])
         rows.append((name, dim, fitted.tensor_error, output_error(fitted.layer, attn, call), fitted.seconds))
         replace_submodule(model, name, fitted.layer)
     return rows
