@@ -1,32 +1,32 @@
 """Cost of the calibrated conversion (the recipe) next to the weight-only one on DeiT-B, on this machine.
 
-    python benchmarks/data_aware_bench.py                                  # DeiT-B, 256 images, key dim 384, CPU
+    python benchmarks/data_aware_bench.py                                  # DeiT-B, key dim 384, CPU
     python benchmarks/data_aware_bench.py --device cuda                    # the same on a GPU (bfloat16 capture)
     python benchmarks/data_aware_bench.py --model deit_tiny_patch16_224 --images 8 --key-dim 96 --refine-steps 1
 
-Rows: the weight-only conversion; the recipe at ``effort="fast"`` (token capture in bfloat16 as ``Recipe(amp=True)``
-with ``--amp``, the default on CUDA as in ``collab-vit convert``; both fits measured on the held-out images); the
-refinement's seconds per step (batch 64) and a forward pass's seconds per image, timed on one batch of the weight-only
-start; from them the default effort's projected total with the recipe's default views: the source scores the
-``views - 1`` new views of every fitting image, the refinement checks its loss over all its inputs before and after
-(two passes), and takes ``ceil(passes x fitting images / 64)`` steps. Random weights and images (the cost does not
-depend on them). Prints a Markdown table; take the numbers on a quiet machine.
+Rows: the weight-only conversion; the recipe at ``effort="fast"`` with ``--images`` calibration images (token capture
+in bfloat16 as ``Recipe(amp=True)`` with ``--amp``, the default on CUDA as in ``collab-vit convert``; both fits
+measured on the held-out images); then the default effort's parts, timed on one batch: the pass that reads every
+layer's tokens and output sensitivities (``blockwise.layer_inputs``, ``Recipe.samples`` classes per image), per image,
+and one layer's refinement step (batch 64, the last layer). From them the default effort's projected total at
+``--default-images`` (the command's default): the fast run's fits and measures, the capture and the sensitivities of
+that many images, the default's steps for every layer, and the memory the cached tokens and sensitivities
+take. Random weights and images (the cost does not depend on them). Prints a Markdown table; take the numbers on a
+quiet machine.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import math
 import platform
 import time
 
 import timm
 import torch
 
-from collab_vit.conversion.capture import model_outputs
-from collab_vit.conversion.recipe import EFFORTS, Recipe, split
-from collab_vit.conversion.refine import refine_logits
-from collab_vit.conversion.reparam import convert_model
+from collab_vit.conversion.blockwise import layer_inputs, refine_blocks
+from collab_vit.conversion.recipe import DEFAULT_IMAGES, Recipe, refine_steps, split
+from collab_vit.conversion.reparam import convert_model, timm_attention_layers
 
 
 def timed(fn) -> tuple[float, object]:
@@ -40,9 +40,10 @@ def timed(fn) -> tuple[float, object]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deit_base_patch16_224")
-    p.add_argument("--images", type=int, default=256)
+    p.add_argument("--images", type=int, default=256, help="calibration images of the timed fast run")
+    p.add_argument("--default-images", type=int, default=DEFAULT_IMAGES, help="images of the projected default")
     p.add_argument("--key-dim", type=int, default=384)
-    p.add_argument("--refine-steps", type=int, default=2, help="steps timed for the refinement's cost per step")
+    p.add_argument("--refine-steps", type=int, default=4, help="steps timed for the refinement's cost per step")
     p.add_argument("--device", default="cpu", help="where the forward passes and the refinement run (cpu, cuda)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the tokens in bfloat16 (default: on CUDA only, as collab-vit convert)")
@@ -57,34 +58,37 @@ def main() -> None:
                                                  False, recipe))
     fast, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", images, "fast", 0,
                                                False, recipe))
-    fit = split(args.images, None)
+    summary = report.summary
+    capture = summary["capture_seconds"] / args.images
+    originals = [attn for _, attn in timm_attention_layers(source)]
+    batch = images[:16]
+    cache, calls = timed(lambda: layer_inputs(source, originals, batch, 16, recipe.samples, 0))
+    per_image = cache / batch.shape[0]
     model = copy.deepcopy(source)
     convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, recipe)
-    timing = images[:min(fit, 64)].to(device)  # one batch: a step's cost does not depend on the pool
-    targets = model_outputs(source, timing, 64)
-    layers = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"]
-    passes, _ = timed(lambda: refine_logits(model, layers, timing, targets, 0, progress=False))
-    steps_wall, _ = timed(lambda: refine_logits(model, layers, timing, targets, args.refine_steps, progress=False))
-    per_step = (steps_wall - passes) / args.refine_steps
-    forward = passes / (2 * timing.shape[0])  # the two loss passes, per image
-    views = recipe.views
-    steps = math.ceil(EFFORTS["default"][0] * fit / 64)
-    extra = ((views - 1) * fit + 2 * views * fit) * forward  # scoring the new views, the before/after passes
-    projected = fast + extra + steps * per_step
-    summary = report.summary
-    print(f"{args.model}, key dim {args.key_dim}, {args.images} calibration images ({fit} fit, "
-          f"{args.images - fit} held out); {platform.machine()}, {args.device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}\n")
+    layer = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"][-1]
+    many = [(calls[-1][0].repeat(4, 1, 1), *calls[-1][1:3], calls[-1][3].repeat(4, 1, 1, 1))]  # 64 images
+    step, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, args.refine_steps, progress=False))
+    none, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, 0, progress=False))
+    per_step = (step - none) / args.refine_steps
+    fit = split(args.default_images, None)
+    steps = refine_steps(recipe, "default", fit)
+    projected = (fast - summary["capture_seconds"]) + capture * args.default_images + per_image * fit \
+        + steps * len(originals) * per_step
+    tokens = calls[-1][0][0].numel() * 4 * len(originals) * fit * (1 + recipe.samples)
+    print(f"{args.model}, key dim {args.key_dim}; {platform.machine()}, {args.device}, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}\n")
     print("| conversion | wall s | token capture s | held-out KL weight-only / closed form | x weight-only |\n"
           "|---|---:|---:|---|---:|")
     print(f"| weight-only | {weight_only:.1f} | — | — | 1.00 |")
     kls = " / ".join(f"{summary['candidates'][c]:.3g}" for c in ("weight", "whitened"))
-    print(f"| recipe, effort fast, {'bfloat16' if amp else 'float32'} capture | {fast:.1f} | "
+    print(f"| recipe, effort fast, {args.images} images, {'bfloat16' if amp else 'float32'} capture | {fast:.1f} | "
           f"{summary['capture_seconds']:.1f} | {kls} | {fast / weight_only:.2f} |")
-    print(f"| recipe, effort default ({views} views, {steps} steps), projected | {projected:.0f} | | | "
-          f"{projected / weight_only:.1f} |")
-    print(f"\nrefinement: {per_step:.2f} s per step (batch 64, {args.refine_steps} steps timed); forward "
-          f"{forward:.3f} s per image; the views and the loss passes: {extra:.0f} s")
+    print(f"| recipe, effort default, {args.default_images} images ({steps} steps per layer), projected | "
+          f"{projected:.0f} | {capture * args.default_images:.0f} | | {projected / weight_only:.1f} |")
+    print(f"\ncapture {capture:.3f} s per image; tokens and {recipe.samples} sensitivities {per_image:.3f} s per image; "
+          f"one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); the cached "
+          f"tokens and sensitivities of {fit} fitting images: {tokens / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

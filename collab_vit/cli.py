@@ -16,7 +16,7 @@ from .checks import positive_int
 from .console import run_command
 from .conversion.families import family_names_short
 from .conversion.fit import METHODS
-from .conversion.recipe import EFFORTS
+from .conversion.recipe import DEFAULT_IMAGES, EFFORTS
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
 from .models_rope import ROPE_MODELS, ROPE_SIZES, ROPE_VARIANTS
@@ -130,8 +130,8 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
                            "subfolder is used as it is; default: none, weights only)")
     data.add_argument("--calibration-dataset", default="",
                       help="timm dataset name: torch/fashion_mnist, ... (default: '', ImageFolder)")
-    data.add_argument("--calibration-images", type=int, default=256,
-                      help="images drawn at random (--seed) from it (default: 256)")
+    data.add_argument("--calibration-images", type=int, default=DEFAULT_IMAGES,
+                      help=f"images drawn at random (--seed) from it (default: {DEFAULT_IMAGES})")
     return data
 
 
@@ -239,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--device", default="cpu", help="forward passes and refinement, e.g. cuda (default: cpu)")
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", choices=list(EFFORTS), default="default",
-                      help="fast: closed forms only; default: the better one refined (steps proportional to the "
-                      "images)")
+                      help="fast: closed forms only; default: the better one refined layer by layer (16 passes "
+                      "over the images)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot",
@@ -267,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry (``console.run_command``): bad input (any ValueError, OSError or RuntimeError) is one line,
-    exit 2; a failed write (a full disk) one line, exit 1; SIGINT / SIGTERM one line, exit 130 / 143. A failure
+    exit 2; a failed write (a full disk) or too little memory one line, exit 1; SIGINT / SIGTERM one line, exit 130 /
+    143. A failure
     leaves as ``SystemExit`` (as argparse's own errors do)."""
     args = build_parser().parse_args(argv)
-    code = run_command(lambda: args.run(args), (ValueError, OSError, RuntimeError), (WriteError,),
+    code = run_command(lambda: args.run(args), (ValueError, OSError, RuntimeError), (WriteError, MemoryError),
                        name=f"collab-vit {args.command}")
     if code:
         sys.exit(code)

@@ -294,7 +294,7 @@ def test_never_worse_than_weight_only_on_held_out_images(key_dim) -> None:
 @pytest.mark.parametrize("effort", ["fast", "default"])
 def test_default_recipe_reports_its_candidates(effort: str) -> None:
     """``calibration=`` alone: the candidates of ``effort`` measured on the held-out images, the best kept, its KL
-    never above weight-only's; refinement steps scale with the fitting images (160 passes at batch 64)."""
+    never above weight-only's; the default's blockwise refinement takes 16 passes over the fitting images per layer."""
     model, report = collab_vit.reparametrize(tiny_deit(), 3, calibration=images(16), effort=effort, progress=False,
                                              return_report=True)
     s = report.summary
@@ -303,7 +303,9 @@ def test_default_recipe_reports_its_candidates(effort: str) -> None:
     assert s["held_out_kl"] == s["candidates"][s["chosen"]] <= s["weight_only_kl"]
     assert s["chosen"] == "weight" or s["verdicts"][s["chosen"]]["kept"]
     assert s["images_fit"] == 12 and s["images_held_out"] == 4
-    assert s["refine_steps"] == (0 if effort == "fast" else 30)  # ceil(160 * 12 / 64)
+    assert s["refine_steps"] == (0 if effort == "fast" else 3)  # ceil(16 x 12 / 64)
+    better = min(("weight", "whitened"), key=s["candidates"].get)
+    assert effort == "fast" or set(s["candidates"]) == {"weight", "whitened", f"{better}+blocks"}
     assert all(isinstance(m, collab_vit.CollaborativeAttention) for m in (b.attn for b in model.blocks))
 
 

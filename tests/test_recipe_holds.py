@@ -80,7 +80,8 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     assert '## What the guard kept' in loso and '## Each constant alone' in loso
     assert '## Views at equal steps' in out and (results / 'loso.png').stat().st_size > 10_000
 
-    # the snapshot at 16 passes is what the package's recipe returns with that many steps, to the bit: the guard scores
+    # the snapshot at 16 passes is what the package's recipe (its whole-model refinement pinned) returns with that
+    # many steps, to the bit: the guard scores
     # the held-out images as they are ('held'); the per-view score ('held_views') is the grid's own measurement
     from collab_vit.conversion.files import load_source
     from collab_vit.conversion.recipe import Recipe
@@ -95,8 +96,9 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     snap = row['snapshots'][1]
     assert row['ranked_on'] == 'held' and len(snap['held_views']) == 6 and snap['held_views'] != snap['held']
     converted = copy.deepcopy(model)
+    pinned = ('weight', 'whitened', f"{row['refined_from']}+refine")  # the whole-model refinement the grid measures
     report = convert_model(converted, 4, 'tucker', images, 'default', 0, False,
-                           Recipe(holdout=6, views=2, augment='crop', refine_steps=5))
+                           Recipe(holdout=6, views=2, augment='crop', refine_steps=5, candidates=pinned))
     kept = recipe_holds.replay(row, Setting(6, 'crop:2', 1e-3, 16, 1, 0.95))
     assert report.summary['candidates'] == {name: fmean(entry['held']) for name, entry in
                                             [*row['starts'].items(), (f"{row['refined_from']}+refine", snap)]}

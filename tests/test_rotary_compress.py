@@ -150,8 +150,8 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
     summary = report.summary
     kl = summary["candidates"]
     better = min(("weight", "whitened", "select"), key=lambda start: kl[start])
-    assert set(kl) == {"weight", "whitened", "select", f"{better}+refine"}
-    if summary["chosen"].endswith("+refine"):
+    assert set(kl) == {"weight", "whitened", "select", f"{better}+blocks"}
+    if summary["chosen"].endswith("+blocks"):
         assert summary["refine"]["steps"] == 6
     assert kl["weight"] != kl["whitened"]  # the whitened start is a different fit
     assert summary["held_out_kl"] <= summary["weight_only_kl"]

@@ -122,7 +122,8 @@ def test_the_guard_scores_each_held_out_image_as_it_is(monkeypatch) -> None:
 
     monkeypatch.setattr(recipe_module.RecipeRun, "measure", measure)
     monkeypatch.setattr(recipe_module, "refine_logits", refine)
-    report = convert(copy.deepcopy(model), 3, x, holdout=4, views=3, augment="crop", refine_steps=4, batch_size=8)
+    report = convert(copy.deepcopy(model), 3, x, holdout=4, views=3, augment="crop", refine_steps=4, batch_size=8,
+                     candidates=("weight", "whitened", "whitened+refine"))
     s = report.summary
     assert seen["inputs"] == 16 * 3 == s["refine_images"]  # the refinement still sees the views
     assert set(by_hand) == set(s["candidates"]) and len(by_hand) == 3
@@ -137,11 +138,13 @@ def test_the_guard_scores_each_held_out_image_as_it_is(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("effort, pinned, scored", [("fast", None, 20), ("default", ("whitened",), 20),
-                                                    ("default", None, 20 + 16 * 2)])
+                                                    ("default", None, 20),
+                                                    ("default", ("weight+refine",), 20 + 16 * 2)])
 def test_the_fitting_views_are_drawn_only_for_a_refinement(monkeypatch, effort, pinned, scored) -> None:
-    """Without a refinement (``effort="fast"``, or pinned candidates without one) the source scores the images only:
-    the fitting images' views feed the refinement alone (on DeiT-B they are 7 x 192 forward passes) and the held-out
-    images get none. The candidates' figures are the same whatever the views' count and kind."""
+    """Without a whole-model refinement (``effort="fast"``, the default's blockwise one, or pinned candidates without
+    one) the source scores the images only: the fitting images' views feed the whole-model refinement alone (on DeiT-B
+    they are 7 x 192 forward passes) and the held-out images get none. The candidates' figures are the same whatever
+    the views' count and kind."""
     model, x = tiny_deit(), images(20)
     counted = []
     real = recipe_module.model_outputs

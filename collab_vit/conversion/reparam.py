@@ -139,12 +139,13 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
         method: ``"tucker"`` (compress, then CP of the core), ``"cp"`` (ALS on the factored tensor) or ``"parafac"``
             (the paper's procedure: tensorly's CP-ALS on the dense tensor).
         calibration: unlabelled images (a (B, C, H, W) tensor, or batches: ``(images, labels)`` or images) in the
-            model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-64) held out, the
-            weight-only fit, the whitened closed form and (by ``effort``) the label-free refinement (on the fitting
-            images and 7 random crops of each) measured there by the KL of the outputs to the source's (each image
-            with 7 crops of it), the best whose win the held-out images resolve kept, else weight-only.
-        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: 160 passes over the fitting
-            images, steps proportional to their number).
+            model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-64) held out; the
+            weight-only fit, the whitened closed form (rotary layers: also the strongest-pairs selection) and, by
+            ``effort``, the better one refined layer by layer (``blockwise.py``) are measured on the held-out images
+            as they are, by the KL of the outputs to the source's; the best whose win the held-out images resolve
+            is kept, else weight-only. The refinement gains with the images (2048: RESULTS.md (b), issue 40).
+        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: every layer alone, 16
+            passes over the fitting images, its output error weighted by its effect on the model's output).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
         device: move the model there first (the forward passes and the refinement run there; the decompositions on
             the CPU).

@@ -1,0 +1,174 @@
+"""Blockwise refinement: each converted layer trained on its own output, from the source's tokens cached once.
+
+One forward pass of the source over the fitting images records what every attention layer receives (its tokens and
+its other arguments, e.g. the rope of a rotary model: ``layer_inputs``). Each converted layer's ``W~q, W~k, M``
+(eq. 5) are then trained alone, Adam on seeded minibatches, so that its output on those tokens matches the source
+layer's: the loss is ``||y~ - y||^2 / ||y||^2`` summed over the minibatch's tokens (``y``: the source layer's output,
+value and output projections included, so a logit error counts by what it moves in the block's output). A step costs
+one attention layer's forward and backward on the minibatch, not the whole model's (``refine.refine_logits``); the
+layers' tokens are held in memory (``images x tokens x D x layers`` floats). As in ``refine_logits``, a layer whose
+mean loss over all the images rose keeps its starting weights.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from tqdm import tqdm
+
+from ..checks import nonnegative_int, positive_real
+from .capture import _kept
+from .refine import RefineResult, _Trainable
+
+Call = tuple[Tensor, tuple, dict, Optional[Tensor]]  # one layer's tokens (images, N, D), the other arguments of its
+# calls, and the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)`` (None: a plain squared error)
+
+
+def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batch_size: int, samples: int = 0,
+                 seed: int = 0) -> list[Call]:
+    """What each of ``layers`` (modules of ``model``) receives on ``images``: the tokens of every image (on the CPU,
+    float32 at least) and the first call's other arguments (the same for every batch of images of one size). With ``samples``
+    S > 0, also each layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for S classes ``c_s`` drawn from
+    the model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output KL that a
+    change ``dy`` of that layer's output causes, to second order (``relative_loss``)."""
+    tokens: list[list[Tensor]] = [[] for _ in layers]
+    grads: list[list[Tensor]] = [[] for _ in layers]
+    outputs: list[Tensor] = []
+    rest: list[Optional[tuple]] = [None for _ in layers]
+    generator = torch.Generator().manual_seed(seed)
+
+    def hook(index: int):
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            tokens[index].append(_kept(args[0].detach()))
+            if rest[index] is None:
+                rest[index] = (args[1:], dict(kwargs))
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    if samples:
+        handles += [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers]
+    try:
+        device = next(model.parameters()).device
+        for index, chunk in enumerate(images.split(batch_size)):
+            if index == 1:
+                check_memory(tokens, grads, images.shape[0] / batch_size)
+            outputs.clear()
+            with torch.set_grad_enabled(bool(samples)):
+                logits = model(chunk.to(device))
+            if samples:
+                for index, g in enumerate(sensitivities(logits, outputs, samples, generator)):
+                    grads[index].append(g)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [(torch.cat(t), *r, torch.cat(g) if g else None) for t, r, g in zip(tokens, rest, grads)]
+
+
+def available_bytes() -> int:
+    """The host memory available now (Linux: ``MemAvailable``; elsewhere unknown: no limit)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 2 ** 62
+
+
+def check_memory(tokens: list[list[Tensor]], grads: list[list[Tensor]], batches: float) -> None:
+    """A one-line ``MemoryError`` before the cache outgrows the host memory: what the first batch took, ``batches``
+    times over, against what is available."""
+    first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads) if t)
+    need = first * (batches - 1)
+    if need > available_bytes():
+        raise MemoryError(f"the blockwise refinement caches {first * batches / 2**30:.1f} GiB of tokens and "
+                          f"sensitivities for these images; {available_bytes() / 2**30:.1f} GiB is available: use "
+                          f"fewer calibration images (--calibration-images) or --effort fast")
+
+
+def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator) -> list[Tensor]:
+    """``d log p(c_s | x) / d y`` for every output ``y`` in ``outputs`` (B, N, D each) and ``samples`` classes drawn
+    per image from ``softmax(logits)``: one (B, S, N, D) tensor per output, on the CPU, float32 at least."""
+    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    drawn = torch.multinomial(log_p.detach().exp().cpu(), samples, replacement=True, generator=generator)
+    per_sample = []
+    for s in range(samples):
+        picked = log_p.gather(1, drawn[:, s:s + 1].to(log_p.device)).sum()  # images are independent: one backward
+        per_sample.append([_kept(g.detach()) for g in torch.autograd.grad(picked, outputs,
+                                                                                retain_graph=True)])
+    return [torch.stack([sample[i] for sample in per_sample], dim=1) for i in range(len(outputs))]
+
+
+def relative_loss(layer: nn.Module, call: Call, target: Tensor, index: Tensor, device: torch.device) -> Tensor:
+    """Over the images ``index``: ``||layer(tokens) - target||^2 / ||target||^2``; with sensitivities ``g``, the
+    Fisher form ``sum_n mean_s (g_ns . dy_n)^2`` (``layer_inputs``), which weighs ``dy`` by its effect on the output."""
+    x, args, kwargs, weights = call
+    delta = layer(x[index].to(device), *args, **kwargs).to(target.dtype) - target[index].to(device)
+    if weights is None:
+        return delta.pow(2).sum() / target[index].to(device).pow(2).sum().clamp_min(1e-30)
+    return torch.einsum("bsnd,bnd->bs", weights[index].to(device, delta.dtype), delta).pow(2).mean(1).sum()
+
+
+@torch.no_grad()
+def mean_loss(layer: nn.Module, call: Call, target: Tensor, batch_size: int, device: torch.device) -> float:
+    """``relative_loss`` over all the images (the squared errors and energies summed batch by batch)."""
+    error = energy = 0.0
+    for start in range(0, call[0].shape[0], batch_size):
+        index = torch.arange(start, min(start + batch_size, call[0].shape[0]))
+        if call[3] is None:
+            delta = layer(call[0][index].to(device), *call[1], **call[2]).to(target.dtype) - target[index].to(device)
+            error += float(delta.pow(2).sum())
+            energy += float(target[index].pow(2).sum())
+        else:
+            error += float(relative_loss(layer, call, target, index, device))
+    return error / max(energy, 1e-30) if call[3] is None else error
+
+
+@torch.no_grad()
+def source_outputs(source: nn.Module, call: Call, batch_size: int, device: torch.device) -> Tensor:
+    x, args, kwargs, _ = call
+    return torch.cat([_kept(source(x[s:s + batch_size].to(device), *args, **kwargs))
+                      for s in range(0, x.shape[0], batch_size)])
+
+
+def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: list[Call], steps: int, lr: float = 1e-3,
+                  batch_size: int = 64, seed: int = 0, progress: bool = True) -> RefineResult:
+    """``steps`` Adam steps per layer on each converted layer's ``W~q, W~k, M`` so that ``layers[l](tokens)`` matches
+    ``sources[l](tokens)`` on the cached ``calls`` (``layer_inputs``; module docstring). Returns the summed
+    per-layer losses (before and after: over all the images; per step: the minibatch's)."""
+    steps = nonnegative_int(steps, "refine_steps")
+    lr = positive_real(lr, "refine_lr")
+    generator = torch.Generator().manual_seed(seed)
+    before = after = 0.0
+    losses = [0.0] * steps
+    kept = False
+    start = time.perf_counter()
+    bar = tqdm(total=steps * len(layers), desc="refine (each layer's output)", disable=not progress)
+    for source, layer, call in zip(sources, layers, calls):
+        params = [layer.query.weight, layer.key.weight, layer.mixing]
+        device = params[0].device
+        with _Trainable([source, layer], params):
+            target = source_outputs(source, call, batch_size, device)
+            first = mean_loss(layer, call, target, batch_size, device)
+            start_weights = [p.detach().clone() for p in params]
+            optimizer = torch.optim.Adam(params, lr=lr)
+            for step in range(steps):
+                index = torch.randperm(call[0].shape[0], generator=generator)[:batch_size]
+                loss = relative_loss(layer, call, target, index, device)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses[step] += loss.item()
+                bar.update()
+            last = mean_loss(layer, call, target, batch_size, device)
+            if last > first:
+                kept = True
+                last = first
+                with torch.no_grad():
+                    for p, weight in zip(params, start_weights):
+                        p.copy_(weight)
+        before, after = before + first, after + last
+    bar.close()
+    return RefineResult(steps, time.perf_counter() - start, losses[0] if steps else float("nan"),
+                        losses[-1] if steps else float("nan"), before, after, kept, losses)

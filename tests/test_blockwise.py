@@ -1,0 +1,144 @@
+"""The blockwise refinement (``conversion/blockwise.py``): each converted layer trained alone on its source layer's
+output, from tokens cached in one pass of the source."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+
+from collab_vit.conversion.blockwise import layer_inputs, mean_loss, refine_blocks, source_outputs
+from collab_vit.conversion.fit import fit_attention
+from collab_vit.conversion.reparam import timm_attention_layers
+from collab_vit.conversion.rotary_fit import fit_rotary
+
+SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, num_classes=10)
+
+
+def small(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model(name, **SMALL).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # logits that depend on the attention (timm's init is near uniform)
+    return model
+
+
+def test_cached_calls_replay_every_layer_of_the_source() -> None:
+    """The cached tokens and arguments reproduce each layer's output in the model, rope included."""
+    for name in ("deit_tiny_patch16_224", "vit_small_patch16_rope_224"):
+        model = small(name)
+        images = torch.randn(6, 3, 32, 32)
+        layers = [attn for _, attn in timm_attention_layers(model)] if "rope" not in name else \
+            [block.attn for block in model.blocks]
+        outputs = []
+        handles = [a.register_forward_hook(lambda m, i, o: outputs.append(o)) for a in layers]
+        with torch.no_grad():
+            model(images)
+        for h in handles:
+            h.remove()
+        calls = layer_inputs(model, layers, images, 4)  # two batches: the tokens concatenated in order
+        for layer, call, out in zip(layers, calls, outputs):
+            assert call[0].shape == (6, 17, 64)
+            assert torch.equal(source_outputs(layer, call, 4, torch.device("cpu")), out)
+
+
+def test_refinement_lowers_each_layer_loss_and_trains_only_the_mixing_and_projections() -> None:
+    for name, fit in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker")),
+                      ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8))):
+        model = small(name)
+        sources = [block.attn for block in model.blocks]
+        calls = layer_inputs(model, sources, torch.randn(32, 3, 32, 32), 16)
+        layers = [fit(a).layer for a in sources]
+        frozen = [copy.deepcopy(layer.value.state_dict()) for layer in layers]
+        untouched = copy.deepcopy(model.state_dict())
+        before = [mean_loss(layer, call, source_outputs(s, call, 16, torch.device("cpu")), 16, torch.device("cpu"))
+                  for s, layer, call in zip(sources, layers, calls)]
+        result = refine_blocks(sources, layers, calls, 30, 1e-2, 8, 0, False)
+        after = [mean_loss(layer, call, source_outputs(s, call, 16, torch.device("cpu")), 16, torch.device("cpu"))
+                 for s, layer, call in zip(sources, layers, calls)]
+        # the same sums; the layer's attention route may differ while it trains (float32 rounding, ~1e-8)
+        assert result.kl_before == pytest.approx(sum(before), rel=1e-6)
+        assert result.kl_after == pytest.approx(sum(after), rel=1e-6)
+        assert all(a < b for a, b in zip(after, before)) and not result.kept_start
+        assert all(torch.equal(f["weight"], layer.value.state_dict()["weight"]) for f, layer in zip(frozen, layers))
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in untouched.items())  # the source is unchanged
+        assert all(p.requires_grad for s in sources for p in s.parameters())  # and its flags are put back
+
+
+def test_a_layer_whose_loss_rises_keeps_its_start() -> None:
+    """At full rank the fit is exact (loss ~0); steps at a huge rate move it away, so the start is restored."""
+    model = small("deit_tiny_patch16_224")
+    sources = [block.attn for block in model.blocks]
+    calls = layer_inputs(model, sources, torch.randn(16, 3, 32, 32), 16)
+    layers = [fit_attention(a, 64, "tucker").layer for a in sources]
+    start = [copy.deepcopy(layer.state_dict()) for layer in layers]
+    result = refine_blocks(sources, layers, calls, 3, 1.0, 8, 0, False)
+    assert result.kept_start and result.kl_after == result.kl_before < 1e-10
+    assert all(torch.equal(layer.state_dict()[k], s[k]) for layer, s in zip(layers, start) for k in s)
+
+
+def test_sensitivities_are_the_gradients_of_the_drawn_class_log_probability() -> None:
+    """``g_s . v`` is the derivative of ``log p(c_s | x)`` along ``v`` added to a layer's output: central differences
+    in float64 (step 1e-4: truncation ~1e-8 relative), each image on its own; the sensitivities are kept in float32
+    (a sum of 1088 products, each rounded to ~6e-8 relative: within 1e-5)."""
+    model = small("deit_tiny_patch16_224").double()
+    sources = [block.attn for block in model.blocks]
+    images = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    calls = layer_inputs(model, sources, images, 2, samples=2, seed=1)
+    assert [c[3].shape for c in calls] == [(3, 2, 17, 64)] * 2
+    logits = model(images)
+    drawn = torch.multinomial(logits.softmax(-1), 2, replacement=True, generator=torch.Generator().manual_seed(1))
+    for layer, call in zip(sources, calls):
+        v = torch.randn(3, 17, 64, dtype=torch.float64)
+        shifted = []
+        for sign in (1, -1):
+            handle = layer.register_forward_hook(lambda m, a, out, sign=sign: out + sign * 1e-4 * v)
+            with torch.no_grad():
+                shifted.append(torch.log_softmax(model(images), -1))
+            handle.remove()
+        for s in range(2):
+            numeric = (shifted[0] - shifted[1]).gather(1, drawn[:, s:s + 1]).squeeze(1) / 2e-4
+            analytic = torch.einsum("bnd,bnd->b", call[3][:, s].double(), v)
+            assert torch.allclose(analytic, numeric, rtol=1e-5, atol=1e-7)
+
+
+def test_the_default_refinement_runs_the_whole_model_a_fixed_number_of_times() -> None:
+    """The cost guarantee (issue 40): the default effort's refinement steps run single layers, so the whole model's
+    forward passes do not grow with the steps (capture, one pass with the sensitivities, the held-out measures); the
+    whole-model refinement's grow by one per step."""
+    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.reparam import convert_model
+
+    model, x = small("deit_tiny_patch16_224"), torch.randn(24, 3, 32, 32)
+    counts = {}
+    for pinned, steps in ((None, 5), (None, 50), (("weight+refine",), 5), (("weight+refine",), 50)):
+        calls = []
+        handle = model.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+        convert_model(copy.deepcopy(model), 8, "tucker", x, "default", 0, False,
+                      Recipe(holdout=8, refine_steps=steps, batch_size=8, candidates=pinned, views=1))
+        handle.remove()
+        counts[pinned, steps] = len(calls)
+    assert counts[None, 5] == counts[None, 50]
+    assert counts[("weight+refine",), 50] - counts[("weight+refine",), 5] == 45
+
+
+def test_a_cache_larger_than_the_memory_is_one_line_before_it_is_filled(tmp_path, monkeypatch, capsys) -> None:
+    """``collab-vit convert`` with more calibration images than the host can cache: one line naming the sizes and
+    what to do, exit 1, nothing written; checked after the first batch, before the others are read."""
+    from collab_vit.cli import main as cli_main
+    from collab_vit.conversion import blockwise
+
+    from test_calibration_cli import exported
+    from tinyrun import make_image_folder
+
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=100, val_per_class=1)
+    monkeypatch.setattr(blockwise, "available_bytes", lambda: 1000)
+    out = tmp_path / "k6.safetensors"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
+                  "--calibration-data-dir", data, "--calibration-images", "200"])  # 3 batches
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 1 and "GiB of tokens and sensitivities" in err and "--calibration-images" in err
+    assert not out.exists() and not out.with_suffix(".json").exists()
