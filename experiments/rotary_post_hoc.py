@@ -12,8 +12,9 @@ Every cell converts the source at a q/k dim per layer (no fine-tune) and evaluat
 * ``optimal``: the per-frequency form with the ranks that minimise the summed tensor error (dynamic programming);
 * ``weight``: ``collab_vit.reparametrize(model, K)``: the per-frequency form with ``R_p`` = the number of heads that
   keep ``p`` under ``select``, each fit started from that selection (the issue's third row);
-* ``recipe``: ``collab_vit.reparametrize(model, K, calibration=256 training images)`` (default effort);
-* ``recipe-before``: the same with the recipe's constants before issue 34 (32 held out, no views, 80 passes).
+* ``recipe``: ``collab_vit.reparametrize(model, K, calibration=--images training images)`` (default effort);
+* ``recipe-before``: the recipe's constants before issue 34 (32 held out, no views, 80 passes of the whole-model
+  refinement; since issue 40 both starts refined, the guard keeping the better).
 
 Also written: ``methods.md`` (the per-frequency decompositions against the dense complex float64 tensor: error and
 seconds) and ``energy.md`` / ``energy.png`` (4(c): per frequency, the share of the heads' joint energy the first R
@@ -91,8 +92,9 @@ def convert(source: torch.nn.Module, key_dim: int, variant: str, calibration: to
         return model, [r.as_dict() for r in report], report.summary
     if variant == "recipe-before":
         steps = math.ceil(80 * split(calibration.shape[0], BEFORE["holdout"]) / 64)
+        pinned = ("weight", "whitened", "weight+refine", "whitened+refine")  # the whole-model refinement, both starts
         report = convert_model(model, key_dim, "tucker", calibration, "default", seed, False,
-                               Recipe(refine_steps=steps, **BEFORE))
+                               Recipe(refine_steps=steps, candidates=pinned, **BEFORE))
         return model, [r.as_dict() for r in report], report.summary
     rows = []
     for name, attn in timm_attention_layers(model):
@@ -152,11 +154,12 @@ def table(rows: list[dict], top1_source: float) -> str:
     if recipe:
         lines += ["", f"Recipe: the candidates' held-out KL ({recipe[0]['images']} images, "
                   f"{recipe[0]['summary']['images_held_out']} held out; the better start refined), the one kept:", "",
-                  "| q/k dims | weight | whitened | refined | kept |", "|---|---:|---:|---:|---|"]
+                  "| q/k dims | weight | whitened | select | refined | kept |", "|---|---:|---:|---:|---:|---|"]
         for r in recipe:
             kl = r["summary"]["candidates"]
-            refined = next((c for c in kl if c.endswith("+refine")), None)
-            lines.append(f"| {r['key_dim']} | {kl['weight']:.4f} | {kl['whitened']:.4f} | " +
+            refined = next((c for c in kl if "+" in c), None)
+            select = f"{kl['select']:.4f}" if "select" in kl else "—"  # a candidate since issue 40
+            lines.append(f"| {r['key_dim']} | {kl['weight']:.4f} | {kl['whitened']:.4f} | {select} | " +
                          ("—" if refined is None else f"{kl[refined]:.4f} ({refined})") +
                          f" | {r['summary']['chosen']} |")
     return "\n".join(lines) + "\n"
