@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", choices=list(EFFORTS), default="default",
                       help="fast: closed forms only; default: the better one refined layer by layer (16 passes "
-                      "over the images)")
+                      "over the images); thorough: refined as a whole model (160 passes over 8 views of each, about "
+                      "20x the default's compute)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot",

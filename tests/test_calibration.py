@@ -237,8 +237,8 @@ def test_bad_calibration_images(bad: object, message: str) -> None:
 def test_bad_calibration_options() -> None:
     with pytest.raises(ValueError, match="effort must be one of"):
         collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="max", progress=False)
-    with pytest.raises(ValueError, match="effort must be one of"):  # measured no better than "default", removed
-        collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="thorough", progress=False)
+    with pytest.raises(ValueError, match="effort must be one of"):  # both starts refined: measured no better, removed
+        collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="both", progress=False)
     with pytest.raises(ValueError, match="ridge must be a positive"):
         convert(tiny_deit(), 6, images(4), ridge=0.0)
     with pytest.raises(ValueError, match="holdout must be"):
@@ -291,21 +291,24 @@ def test_never_worse_than_weight_only_on_held_out_images(key_dim) -> None:
     assert all(torch.equal(v, weight_only.state_dict()[k]) for k, v in guarded.state_dict().items())
 
 
-@pytest.mark.parametrize("effort", ["fast", "default"])
+@pytest.mark.parametrize("effort", ["fast", "default", "thorough"])
 def test_default_recipe_reports_its_candidates(effort: str) -> None:
     """``calibration=`` alone: the candidates of ``effort`` measured on the held-out images, the best kept, its KL
-    never above weight-only's; the default's blockwise refinement takes 16 passes over the fitting images per layer."""
+    never above weight-only's; the default's blockwise refinement takes 16 passes over the fitting images per layer,
+    the thorough whole-model one 160 on the images and their views."""
     model, report = collab_vit.reparametrize(tiny_deit(), 3, calibration=images(16), effort=effort, progress=False,
                                              return_report=True)
     s = report.summary
-    expected = {"fast": 2, "default": 3}[effort]
+    expected = {"fast": 2, "default": 3, "thorough": 3}[effort]
     assert len(s["candidates"]) == expected and {"weight", "whitened"} <= set(s["candidates"])
     assert s["held_out_kl"] == s["candidates"][s["chosen"]] <= s["weight_only_kl"]
     assert s["chosen"] == "weight" or s["verdicts"][s["chosen"]]["kept"]
     assert s["images_fit"] == 12 and s["images_held_out"] == 4
-    assert s["refine_steps"] == (0 if effort == "fast" else 3)  # ceil(16 x 12 / 64)
+    assert s["refine_steps"] == {"fast": 0, "default": 3, "thorough": 30}[effort]  # ceil(16 or 160 x 12 / 64)
     better = min(("weight", "whitened"), key=s["candidates"].get)
-    assert effort == "fast" or set(s["candidates"]) == {"weight", "whitened", f"{better}+blocks"}
+    kind = {"default": "blocks", "thorough": "refine"}.get(effort)
+    assert effort == "fast" or set(s["candidates"]) == {"weight", "whitened", f"{better}+{kind}"}
+    assert s["views"] == (8 if effort == "thorough" else 1)  # views feed the whole-model refinement alone
     assert all(isinstance(m, collab_vit.CollaborativeAttention) for m in (b.attn for b in model.blocks))
 
 

@@ -117,3 +117,16 @@ def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -
     assert cli_main(["analyze", "--checkpoint", source, "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "spectrum of the bilinear forms: weights" in out and "suggested budget" in out and "--key-dim budget=" in out
+
+
+def test_convert_thorough_refines_the_whole_model(tmp_path) -> None:
+    """``--effort thorough``: the whole-model refinement (the default before issue 40) on the images and 7 views of
+    each, 160 passes; recorded in the sidecar."""
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
+    out = tmp_path / "k6.safetensors"
+    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
+                     "--calibration-data-dir", data, "--calibration-images", "10", "--effort", "thorough"]) == 0
+    calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
+    assert calibration["effort"] == "thorough" and calibration["refine_steps"] == 20  # ceil(160 x 8 / 64)
+    assert calibration["views"] == 8 and calibration["refine_images"] == 64
+    assert any(name.endswith("+refine") for name in calibration["candidates"])

@@ -42,14 +42,14 @@ from .refine import per_image_kl, refine_logits
 from .views import augmented_views, check_kind
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
-# of the output KL) and its passes over the fitting images (steps per layer = passes x images / batch: 496 for the
-# 1984 fitting images of DEFAULT_IMAGES; RESULTS.md (b), issue 40). The whole-model refinement (refine.py: a forward
-# and backward of the model per step, 160 passes) was the default before; it stays a pinned candidate
-# ("weight+refine", Recipe.candidates) for the experiments that measure it. Refining both starts was measured no
-# better and removed: RESULTS.md (b).
-EFFORTS: dict[str, tuple[str, int]] = {"fast": ("", 0), "default": ("blocks", 16)}
+# of the output KL; "refine": refine.py, the whole model on the images and their views) and its passes over the
+# fitting images (steps = passes x images / batch: per layer for "blocks", 496 for the 1984 fitting images of
+# DEFAULT_IMAGES). RESULTS.md (b), issue 40: the blockwise default is as good or better on two sources at about a
+# twentieth of the compute, the whole-model one ("thorough", the default before) better at D/16 on the third.
+# Refining both starts was measured no better and removed: RESULTS.md (b).
+EFFORTS: dict[str, tuple[str, int]] = {"fast": ("", 0), "default": ("blocks", 16), "thorough": ("refine", 160)}
 DEFAULT_IMAGES = 2048  # calibration images the command draws by default: the blockwise refinement gains with them
-WHOLE_MODEL_PASSES = 160
+WHOLE_MODEL_PASSES = EFFORTS["thorough"][1]  # a pinned "+refine" candidate's passes
 STARTS = ("weight", "whitened")
 
 
@@ -320,7 +320,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
     verdicts, which won, by how much)."""
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
-    whole = pinned is not None and any(c.endswith("+refine") for c in pinned)
+    whole = any(c.endswith("+refine") for c in pinned) if pinned is not None else EFFORTS[effort][0] == "refine"
     steps = refine_steps(recipe, effort, split(images.shape[0], recipe.holdout), whole)
     if not (whole and steps):
         recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored

@@ -144,8 +144,10 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
             ``effort``, the better one refined layer by layer (``blockwise.py``) are measured on the held-out images
             as they are, by the KL of the outputs to the source's; the best whose win the held-out images resolve
             is kept, else weight-only. The refinement gains with the images (2048: RESULTS.md (b), issue 40).
-        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: every layer alone, 16
-            passes over the fitting images, its output error weighted by its effect on the model's output).
+        effort: ``"fast"`` (closed forms only), ``"default"`` (the better one refined: every layer alone, 16
+            passes over the fitting images, its output error weighted by its effect on the model's output) or
+            ``"thorough"`` (the better one refined as a whole model: 160 passes over the images and 7 crops of
+            each, about 20 times the default's compute; better on one of three sources at D/16: RESULTS.md (b)).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
         device: move the model there first (the forward passes and the refinement run there; the decompositions on
             the CPU).
