@@ -1,13 +1,15 @@
 """Blockwise refinement: each converted layer trained on its own output, from the source's tokens cached once.
 
-One forward pass of the source over the fitting images records what every attention layer receives (its tokens and
-its other arguments, e.g. the rope of a rotary model: ``layer_inputs``). Each converted layer's ``W~q, W~k, M``
-(eq. 5) are then trained alone, Adam on seeded minibatches, so that its output on those tokens matches the source
-layer's: the loss is ``||y~ - y||^2 / ||y||^2`` summed over the minibatch's tokens (``y``: the source layer's output,
-value and output projections included, so a logit error counts by what it moves in the block's output). A step costs
-one attention layer's forward and backward on the minibatch, not the whole model's (``refine.refine_logits``); the
-layers' tokens are held in memory (``images x tokens x D x layers`` floats). As in ``refine_logits``, a layer whose
-mean loss over all the images rose keeps its starting weights.
+One pass of the source over the fitting images records what every attention layer receives (its tokens and its
+other arguments, e.g. the rope of a rotary model) and, for ``samples`` classes drawn per image from the source's own
+prediction, the sensitivity of the drawn class's log-probability to that layer's output (``layer_inputs``). Each
+converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, Adam on seeded minibatches, on
+``sum_images mean_classes (g . (y~ - y))^2``: the Fisher form of the output KL that the layer's output error causes,
+to second order (``y``: the source layer's output; ``samples=0``: the plain ``||y~ - y||^2 / ||y||^2``, measured far
+worse: RESULTS.md (b)). A step costs one attention layer's forward and backward on the minibatch, not the whole
+model's (``refine.refine_logits``); the tokens and sensitivities are held in host memory (``(1 + samples) x images x
+tokens x D x layers`` floats, checked after the first batch). As in ``refine_logits``, a layer whose mean loss over
+all the images rose keeps its starting weights.
 """
 from __future__ import annotations
 
@@ -59,8 +61,8 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
             with torch.set_grad_enabled(bool(samples)):
                 logits = model(chunk.to(device))
             if samples:
-                for index, g in enumerate(sensitivities(logits, outputs, samples, generator)):
-                    grads[index].append(g)
+                for layer_grads, g in zip(grads, sensitivities(logits, outputs, samples, generator)):
+                    layer_grads.append(g)
     finally:
         for handle in handles:
             handle.remove()

@@ -155,6 +155,14 @@ class Builder:
 STANDARD = Builder()
 
 
+def copies(fits: list[LayerFit]) -> list[LayerFit]:
+    """``fits`` with their layers copied (a refinement trains the copies; the start stays as it was)."""
+    out = [copy.copy(f) for f in fits]
+    for f in out:
+        f.layer = copy.deepcopy(f.layer)
+    return out
+
+
 @dataclass
 class Candidate:
     name: str
@@ -257,19 +265,21 @@ class RecipeRun:
     def refined(self, base: Candidate, steps: int, on_step: Optional[Callable[[int], None]] = None) -> Candidate:
         """``base`` refined by ``steps`` steps on the fitting images' views (a copy: ``base`` is unchanged), measured;
         ``on_step`` as ``refine_logits``'s."""
-        fits = [copy.copy(f) for f in base.fits]
-        for f in fits:
-            f.layer = copy.deepcopy(f.layer)
+        fits = copies(base.fits)
         self.install(fits)
         r = self.recipe
         result = refine_logits(self.model, [f.layer for f in fits], self.source.inputs, self.source.targets, steps,
                                r.refine_lr, r.batch_size, self.seed, self.progress, on_step)
-        for (_, attn), f in zip(self.layers, fits):
-            f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
+        self.tensor_errors(fits)
         return self.measure(Candidate(f"{base.name}+refine", fits, refine={
             "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "views": r.views,
             "augment": r.augment, "kl_before": result.kl_before, "kl_after": result.kl_after,
             "kept_start": result.kept_start}))
+
+    def tensor_errors(self, fits: list[LayerFit]) -> None:
+        """Each refined fit's tensor error against its source layer."""
+        for (_, attn), f in zip(self.layers, fits):
+            f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
 
     def blockwise(self, base: Candidate, steps: int) -> Candidate:
         """``base`` refined layer by layer (``blockwise.refine_blocks``: each layer's output error in the Fisher form
@@ -280,14 +290,11 @@ class RecipeRun:
                 replace_submodule(self.model, name, original)
             self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
                                       self.recipe.samples, self.seed)
-        fits = [copy.copy(f) for f in base.fits]
-        for f in fits:
-            f.layer = copy.deepcopy(f.layer)
+        fits = copies(base.fits)
         r = self.recipe
         result = refine_blocks(self.originals, [f.layer for f in fits], self.calls, steps, r.refine_lr,
                                r.batch_size, self.seed, self.progress)
-        for (_, attn), f in zip(self.layers, fits):
-            f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
+        self.tensor_errors(fits)
         return self.measure(Candidate(f"{base.name}+blocks", fits, refine={
             "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "samples": r.samples,
             "loss_before": result.kl_before, "loss_after": result.kl_after, "kept_start": result.kept_start}))
