@@ -79,6 +79,30 @@ def test_a_layer_whose_loss_rises_keeps_its_start() -> None:
     assert all(torch.equal(layer.state_dict()[k], s[k]) for layer, s in zip(layers, start) for k in s)
 
 
+def test_a_shorter_run_is_a_prefix_of_a_longer_one_layer_by_layer() -> None:
+    """Each layer draws its own minibatches: after 3 steps, every layer of a 7-step run is where a 3-step run leaves
+    it (what experiments/blockwise_loso.py reads its snapshots from); ``on_step`` sees every step of every layer."""
+    model = small("deit_tiny_patch16_224")
+    sources = [block.attn for block in model.blocks]
+    calls = layer_inputs(model, sources, torch.randn(24, 3, 32, 32), 8)
+    start = [fit_attention(a, 8, "tucker").layer for a in sources]
+    short = copy.deepcopy(start)
+    refine_blocks(sources, short, calls, 3, 1e-2, 8, 0, False)
+    seen, snapshots = [], {}
+
+    def on_step(index: int, step: int) -> None:
+        seen.append((index, step))
+        if step == 3:
+            snapshots[index] = copy.deepcopy(longer[index].state_dict())
+
+    longer = copy.deepcopy(start)
+    refine_blocks(sources, longer, calls, 7, 1e-2, 8, 0, False, on_step)
+    assert seen == [(i, s) for i in range(2) for s in range(1, 8)]
+    assert all(torch.equal(snapshots[i][k], layer.state_dict()[k]) for i, layer in enumerate(short)
+               for k in snapshots[i])
+    assert not torch.equal(longer[1].mixing, short[1].mixing)
+
+
 def test_sensitivities_are_the_gradients_of_the_drawn_class_log_probability() -> None:
     """``g_s . v`` is the derivative of ``log p(c_s | x)`` along ``v`` added to a layer's output: central differences
     in float64 (step 1e-4: truncation ~1e-8 relative), each image on its own; the sensitivities are kept in float32

@@ -14,7 +14,7 @@ all the images rose keeps its starting weights.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -135,19 +135,22 @@ def source_outputs(source: nn.Module, call: Call, batch_size: int, device: torch
 
 
 def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: list[Call], steps: int, lr: float = 1e-3,
-                  batch_size: int = 64, seed: int = 0, progress: bool = True) -> RefineResult:
+                  batch_size: int = 64, seed: int = 0, progress: bool = True,
+                  on_step: Optional[Callable[[int, int], None]] = None) -> RefineResult:
     """``steps`` Adam steps per layer on each converted layer's ``W~q, W~k, M`` so that ``layers[l](tokens)`` matches
-    ``sources[l](tokens)`` on the cached ``calls`` (``layer_inputs``; module docstring). Returns the summed
-    per-layer losses (before and after: over all the images; per step: the minibatch's)."""
+    ``sources[l](tokens)`` on the cached ``calls`` (``layer_inputs``; module docstring). Each layer draws its
+    minibatches from its own generator (``seed + l``), so a run of fewer steps is a prefix of a longer one, layer by
+    layer; ``on_step(l, step)`` is called after each step. Returns the summed per-layer losses (before and after:
+    over all the images; per step: the minibatch's)."""
     steps = nonnegative_int(steps, "refine_steps")
     lr = positive_real(lr, "refine_lr")
-    generator = torch.Generator().manual_seed(seed)
     before = after = 0.0
     losses = [0.0] * steps
     kept = False
     start = time.perf_counter()
     bar = tqdm(total=steps * len(layers), desc="refine (each layer's output)", disable=not progress)
-    for source, layer, call in zip(sources, layers, calls):
+    for number, (source, layer, call) in enumerate(zip(sources, layers, calls)):
+        generator = torch.Generator().manual_seed(seed + number)
         params = [layer.query.weight, layer.key.weight, layer.mixing]
         device = params[0].device
         with _Trainable([source, layer], params):
@@ -163,6 +166,8 @@ def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: list
                 optimizer.step()
                 losses[step] += loss.item()
                 bar.update()
+                if on_step is not None:
+                    on_step(number, step + 1)
             last = mean_loss(layer, call, target, batch_size, device)
             if last > first:
                 kept = True

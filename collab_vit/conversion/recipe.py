@@ -281,19 +281,26 @@ class RecipeRun:
         for (_, attn), f in zip(self.layers, fits):
             f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
 
-    def blockwise(self, base: Candidate, steps: int) -> Candidate:
-        """``base`` refined layer by layer (``blockwise.refine_blocks``: each layer's output error in the Fisher form
-        of the source's output KL, from the source's tokens and sensitivities on the refinement's inputs, read once),
-        a copy, measured."""
+    def cached_calls(self) -> list:
+        """The source layers' tokens and sensitivities on the refinement's inputs (``blockwise.layer_inputs``), read
+        on the first call with the source's layers swapped back in."""
         if self.calls is None:
             for (name, _), original in zip(self.layers, self.originals):
                 replace_submodule(self.model, name, original)
             self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
                                       self.recipe.samples, self.seed)
+        return self.calls
+
+    def blockwise(self, base: Candidate, steps: int, on_step: Optional[Callable[[nn.Module, int, int], None]] = None
+                  ) -> Candidate:
+        """``base`` refined layer by layer (``blockwise.refine_blocks``: each layer's output error in the Fisher form
+        of the source's output KL, from the source's tokens and sensitivities on the refinement's inputs, read once),
+        a copy, measured; ``on_step(layer, l, step)`` after each step of layer ``l`` (the experiments' snapshots)."""
         fits = copies(base.fits)
         r = self.recipe
-        result = refine_blocks(self.originals, [f.layer for f in fits], self.calls, steps, r.refine_lr,
-                               r.batch_size, self.seed, self.progress)
+        layers = [f.layer for f in fits]
+        result = refine_blocks(self.originals, layers, self.cached_calls(), steps, r.refine_lr, r.batch_size, self.seed,
+                               self.progress, on_step and (lambda index, step: on_step(layers[index], index, step)))
         self.tensor_errors(fits)
         return self.measure(Candidate(f"{base.name}+blocks", fits, refine={
             "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "samples": r.samples,

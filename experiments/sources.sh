@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# RESULTS.md (b), issue 40 item 3: the Fashion-MNIST sources the recipe's constants are chosen on (leave one source
+# out) and the pre-registered ones, each `train.py -c <config> --seed N` into runs/sources/<name> (skipped when its
+# model.safetensors exists). SET=loso (default): the ten sources; SET=preregistered: the three trained after the
+# frozen defaults were written; ONLY="a b": those of the set alone. Two threads each, one run at a time (e5: ~9 min,
+# e15: ~27 min on the 2-core CPU).
+#   SET=loso PYTHON=.venv/bin/python bash experiments/sources.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python}
+wide=(--model-kwargs patch_size=4 embed_dim=96 depth=6 num_heads=6)
+train() {  # train NAME CONFIG SEED [extra train.py flags]
+    local name=$1 config=$2 seed=$3
+    shift 3
+    [ -f "runs/sources/$name/model.safetensors" ] && return
+    [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return
+    "$py" train.py -c "configs/fmnist/$config.yaml" --seed "$seed" --cpu-threads 2 --progress false \
+        --output "runs/sources/$name" "$@" > "runs/sources/$name.log" 2>&1
+}
+mkdir -p runs/sources
+case ${SET:-loso} in
+loso)
+    train e5-s0 standard 0; train e5-s1 standard 1; train e5-s2026 standard 2026
+    train e5-s3 standard 3; train e5-s4 standard 4; train w96d6-s0 standard 0 "${wide[@]}"
+    train rope-e5-s1 rope_long 1 --epochs 5
+    train e15-s1 standard_long 1; train e15-s0 standard_long 0; train e15-s2 standard_long 2 ;;
+preregistered)
+    train e5-s5 standard 5; train e5-s6 standard 6; train rope-e5-s7 rope_long 7 --epochs 5 ;;
+esac

@@ -1,0 +1,68 @@
+"""experiments/blockwise_loso.py (issue 40 item 3): its snapshots are the package's default recipe to the bit, its
+replay of the guard keeps what the package keeps, and its leave-one-source-out choice never looks at the source it
+reports."""
+import copy
+import json
+import os
+import sys
+from statistics import fmean
+
+import pytest
+import torch
+
+from test_experiments import ROOT, run, tiny_fashion_mnist  # noqa: F401  (the fixture)
+from test_recipe_holds import sharp_source
+
+sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+import blockwise_loso  # noqa: E402
+from blockwise_loso import Setting, leave_one_out  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_leave_one_out_never_uses_the_source_it_reports() -> None:
+    """Source a alone favours setting x by far; the others favour y: a's figures come from y, the others' from x."""
+    x, y = Setting(1e-3, 16), Setting(3e-3, 8)
+    table = {('a', 4): {x: 2.0, y: -0.1}, ('b', 4): {x: -0.2, y: 0.3}, ('c', 4): {x: -0.1, y: 0.2}}
+    chosen = leave_one_out(table)
+    assert chosen['a'] == y and chosen['b'] == x and chosen['c'] == x and chosen['all'] == x
+    table[('a', 4)][x] = 0.0
+    assert set(leave_one_out(table).values()) == {y}
+
+
+def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    source, results = sharp_source(tmp_path), tmp_path / 'results'
+    for name in ('a', 'b'):
+        run('blockwise_loso.py', 'grid', '--source', source, '--name', name, '--data-dir', tiny_fashion_mnist,
+            '--results', results, '--images', '24', '--lrs', '1e-3', '--passes', '4', '8', '--threads', '1')
+    row = json.loads((results / 'a' / 'k1_lr0.001.json').read_text())
+    assert row['fit'] == 18 and [s['steps'] for s in row['snapshots']] == [2, 3]
+    out = run('blockwise_loso.py', 'choose', '--results', results)
+    main_table = out.split('## ')[0]
+    assert main_table.count('| a | ') == 2 and main_table.count('| b | ') == 2
+    assert (results / 'loso.png').stat().st_size > 10_000
+
+    # the snapshot at 4 passes is what the package's default recipe returns with that many steps, to the bit: every
+    # candidate's held-out KL, the candidate kept, and its predictions on the test images
+    from collab_vit.conversion.files import load_source
+    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.reparam import convert_model
+    from data_aware import test_set
+
+    model, _, _, meta = load_source(None, str(source))
+    images = blockwise_loso.calibration_images(blockwise_loso.calibration_loader(
+        'torch/fashion_mnist', str(tiny_fashion_mnist), 'train', 24, model, meta.get('data_config'), 0), (1, 28, 28))
+    test = test_set(str(tiny_fashion_mnist), model, meta)
+    torch.set_num_threads(1)
+    snap = row['snapshots'][0]
+    converted = copy.deepcopy(model)
+    report = convert_model(converted, 1, 'tucker', images, 'default', 0, False, Recipe(refine_steps=snap['steps']))
+    refined = f"{row['refined_from']}+blocks"
+    assert report.summary['candidates'] == {name: fmean(entry['held']) for name, entry in
+                                            [*row['starts'].items(), (refined, snap)]}
+    kept, entry = blockwise_loso.kept(row, Setting(1e-3, 4, 0.95))
+    assert report.summary['chosen'] == kept
+    assert blockwise_loso.packed(blockwise_loso.predictions(converted, test)) == {
+        'top1': entry['top1'], 'right': entry['right']}
+    change, half = blockwise_loso.paired(row, entry)
+    assert change == pytest.approx(entry['top1'] - row['source_top1']) and half > 0
