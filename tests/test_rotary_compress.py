@@ -123,8 +123,9 @@ def test_weight_only_threshold_plans_each_layer_once(monkeypatch) -> None:
     again = collab_vit.reparametrize(copy.deepcopy(model), 0.9, progress=False)
     assert len(calls) == len(model.blocks)
     monkeypatch.setattr(rotary_fit, "plan", plan)
-    dims = [b.attn.key_dim for b in again.blocks]
-    by_dims = collab_vit.reparametrize(copy.deepcopy(model), dims, progress=False)  # the same layers, planned afresh
+    by_dims = copy.deepcopy(model)  # the same fits at the same key dims, planned afresh
+    for block, converted in zip(by_dims.blocks, again.blocks):
+        block.attn = rotary_fit.fit_rotary(block.attn, converted.attn.key_dim).layer
     x = vit_family.images(3, seed=4)
     assert torch.equal(again(x), by_dims(x))
 
@@ -201,3 +202,28 @@ def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
     assert bool((optimal.relative_error < by_selection.relative_error - 1e-6).any())
     with pytest.raises(ValueError, match=r"^allocation must be one of \('selection', 'optimal'\), got 'dp'$"):
         rotary_fit.plan(freqs, allocation="dp")
+
+
+def test_weight_only_keeps_the_selection_at_light_compression() -> None:
+    """Issue 40 item 4: at given key dims of at least half a layer's q/k dims the weight-only conversion is each head
+    keeping its strongest pairs (``selection_layer``, to the bit), below half the per-frequency fit; a threshold keeps
+    the fit whose spectrum chose its key dims; the calibrated recipe's weight-only candidate is the weight-only
+    conversion in both regimes."""
+    name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
+    model = vit_family.create(name, kwargs)
+    full = rotary_fit.full_rank(model.blocks[0].attn)
+    x, images = vit_family.images(3, seed=5), vit_family.images(24, seed=3)
+    for key_dim in (full // 2, 3 * full // 4, full // 4):
+        converted = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
+        by_hand = copy.deepcopy(model)
+        for block in by_hand.blocks:
+            block.attn = rotary_fit.selection_layer(block.attn, key_dim)
+        assert torch.equal(converted(x), by_hand(x)) == (key_dim >= full // 2)
+        recipe = collab_vit.conversion.recipe.Recipe(holdout=8, candidates=("weight",))
+        pinned = copy.deepcopy(model)
+        collab_vit.conversion.reparam.convert_model(pinned, key_dim, "tucker", images, "fast", 0, False, recipe)
+        assert torch.equal(pinned(x), converted(x))
+    _, report = collab_vit.reparametrize(copy.deepcopy(model), 0.9, progress=False, return_report=True)
+    for r in report:  # the threshold's layers are the fits its spectra promise, even at light compression
+        attn = model.get_submodule(r.name)
+        assert r.tensor_error == rotary_fit.fit_rotary(attn, r.key_dim).tensor_error

@@ -146,6 +146,8 @@ class Builder:
     tensor_error: Optional[Callable] = None
     extra: tuple[tuple[str, Callable], ...] = ()  # more closed-form starts, ``(name, fit(attn, key_dim))``: at the
     # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
+    weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim, given)`` (``given``: the key
+    # dims were given, not read from spectra), where it is not ``fit`` without sides (rotary: ``rotary_fit.weight_only``)
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -255,6 +257,8 @@ class RecipeRun:
         for (_, attn), rank, moments in zip(self.layers, dims, self.source.moments):
             if extra is not None:
                 fits.append(extra(attn, rank))
+            elif name == "weight" and self.builder.weight is not None:
+                fits.append(self.builder.weight(attn, rank, self.dims_from == "given"))
             else:
                 sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
                 fits.append(fit_layer(attn, rank, self.method, sides, **options))

@@ -13,8 +13,10 @@ better is kept, so the error is non-increasing in ``R`` and never above keeping 
 
 The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "each head keeps its strongest pairs"
 spreads them (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each frequency's fit at
-``R_p`` starts from exactly that selection, so the weight-only layer contains the selection and never has a larger
-tensor error at equal q/k parameters. The allocation that minimises the summed tensor error (dynamic programming,
+``R_p`` starts from exactly that selection, so the fit contains the selection and never has a larger tensor error
+at equal q/k parameters. Its top-1 is another matter: at given key dims of at least half the layer's q/k dims
+(``LIGHT``) the selection itself measured better, so there the weight-only conversion is the selection
+(``weight_only``). The allocation that minimises the summed tensor error (dynamic programming,
 ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor error weighs
 every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose error stands for the
 logits' on the calibration tokens, takes the optimal allocation of its whitened error. ``budget=F`` spreads a total over the layers by
@@ -41,6 +43,9 @@ from .rotary import even_dims, is_rotary, layer_calls, output_error, projections
     shared_order
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
+LIGHT = 0.5  # given key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
+# pairs (``selection_layer``), better on top-1 than the per-frequency fit in 5 of 6 cells measured there, by up to
+# 1.0 point, and worse below it in 3 of 5, by up to 8.4 (RESULTS.md (b), issue 40 item 4)
 
 
 @dataclass
@@ -293,6 +298,17 @@ def selection_fit(attn: nn.Module, key_dim: int) -> LayerFit:
     return LayerFit(layer, key_dim, layer_error(attn, layer), None, time.perf_counter() - began)
 
 
+def weight_only(attn: nn.Module, key_dim: int, given: bool, planned: Optional[RotaryPlan] = None) -> LayerFit:
+    """The weight-only conversion of one rotary layer: at ``given`` key dims of at least ``LIGHT`` of its q/k dims
+    (below full rank) each head keeps its strongest pairs (``selection_fit``); else the per-frequency fit
+    (``fit_rotary``; thresholds and budgets: the fit whose spectra chose the key dims, so they keep what they
+    promise)."""
+    full = full_rank(attn)
+    if given and LIGHT * full <= key_dim < full:
+        return selection_fit(attn, key_dim)
+    return fit_rotary(attn, key_dim, planned=planned)
+
+
 def layer_error(attn: nn.Module, layer: nn.Module) -> float:
     """``sqrt(sum_ip ||T_ip - T~_ip||^2 / sum_ip ||T_ip||^2)`` of a rotary layer (e.g. refined) against its source."""
     freqs = frequencies(attn)
@@ -410,11 +426,11 @@ def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: 
     rows = []
     bar = tqdm(layers, desc="rotary re-parametrisation (per frequency)", disable=not progress)
     for index, ((name, attn), dim, call) in enumerate(zip(bar, dims, layer_calls(model, layers, probe))):
-        fitted = fit_rotary(attn, dim, planned=None if plans is None else plans[index])
+        fitted = weight_only(attn, dim, plans is None, None if plans is None else plans[index])
         rows.append((name, dim, fitted.tensor_error, output_error(fitted.layer, attn, call), fitted.seconds))
         replace_submodule(model, name, fitted.layer)
     return rows
 
 
-# the recipe's candidates on rotary layers: the per-frequency fits (weight-only, whitened) and the selection
-ROTARY = Builder(candidate_dims, rotary_sides, candidate_fit, layer_error, (("select", selection_fit),))
+# the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
+ROTARY = Builder(candidate_dims, rotary_sides, candidate_fit, layer_error, (("select", selection_fit),), weight_only)
