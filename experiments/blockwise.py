@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--key-dims", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--images", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--steps", type=int, nargs="+", default=[500, 2000])
-    parser.add_argument("--samples", type=int, nargs="+", default=[0, 4],
-                        help="0: each layer's plain squared error; S: its Fisher form from S drawn classes")
+    parser.add_argument("--samples", type=int, nargs="+", default=[4],
+                        help="S: each layer's Fisher form from S drawn classes (the plain squared error, the rows with "
+                             "S = 0, was removed from the package after commit 40ceded)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=64, help="images per step of the blockwise refinement")
     parser.add_argument("--seed", type=int, default=0)

@@ -38,7 +38,7 @@ def test_cached_calls_replay_every_layer_of_the_source() -> None:
             model(images)
         for h in handles:
             h.remove()
-        calls = layer_inputs(model, layers, images, 4)  # two batches: the tokens concatenated in order
+        calls = layer_inputs(model, layers, images, 4, 1)  # two batches: the tokens concatenated in order
         for layer, call, out in zip(layers, calls, outputs):
             assert call[0].shape == (6, 17, 64)
             assert torch.equal(source_outputs(layer, call, 4, torch.device("cpu")), out)
@@ -49,7 +49,7 @@ def test_refinement_lowers_each_layer_loss_and_trains_only_the_mixing_and_projec
                       ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8))):
         model = small(name)
         sources = [block.attn for block in model.blocks]
-        calls = layer_inputs(model, sources, torch.randn(32, 3, 32, 32), 16)
+        calls = layer_inputs(model, sources, torch.randn(32, 3, 32, 32), 16, 2)
         layers = [fit(a).layer for a in sources]
         frozen = [copy.deepcopy(layer.value.state_dict()) for layer in layers]
         untouched = copy.deepcopy(model.state_dict())
@@ -71,7 +71,7 @@ def test_a_layer_whose_loss_rises_keeps_its_start() -> None:
     """At full rank the fit is exact (loss ~0); steps at a huge rate move it away, so the start is restored."""
     model = small("deit_tiny_patch16_224")
     sources = [block.attn for block in model.blocks]
-    calls = layer_inputs(model, sources, torch.randn(16, 3, 32, 32), 16)
+    calls = layer_inputs(model, sources, torch.randn(16, 3, 32, 32), 16, 2)
     layers = [fit_attention(a, 64, "tucker").layer for a in sources]
     start = [copy.deepcopy(layer.state_dict()) for layer in layers]
     result = refine_blocks(sources, layers, calls, 3, 1.0, 8, 0, False)
@@ -84,7 +84,7 @@ def test_a_shorter_run_is_a_prefix_of_a_longer_one_layer_by_layer() -> None:
     it (what experiments/blockwise_loso.py reads its snapshots from); ``on_step`` sees every step of every layer."""
     model = small("deit_tiny_patch16_224")
     sources = [block.attn for block in model.blocks]
-    calls = layer_inputs(model, sources, torch.randn(24, 3, 32, 32), 8)
+    calls = layer_inputs(model, sources, torch.randn(24, 3, 32, 32), 8, 2)
     start = [fit_attention(a, 8, "tucker").layer for a in sources]
     short = copy.deepcopy(start)
     refine_blocks(sources, short, calls, 3, 1e-2, 8, 0, False)
@@ -166,3 +166,15 @@ def test_a_cache_larger_than_the_memory_is_one_line_before_it_is_filled(tmp_path
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 1 and "GiB of tokens and sensitivities" in err and "--calibration-images" in err
     assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_the_lost_plain_loss_is_refused() -> None:
+    """The plain per-layer squared error (no sensitivities) lost on top-1 and left the package: zero classes drawn
+    is refused by the recipe and by the cache."""
+    from collab_vit.conversion.recipe import Recipe
+
+    with pytest.raises(ValueError, match="samples"):
+        Recipe(samples=0)
+    model = small("deit_tiny_patch16_224")
+    with pytest.raises(ValueError, match="samples"):
+        layer_inputs(model, [model.blocks[0].attn], torch.randn(2, 3, 32, 32), 2, 0)

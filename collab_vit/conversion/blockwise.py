@@ -5,8 +5,8 @@ other arguments, e.g. the rope of a rotary model) and, for ``samples`` classes d
 prediction, the sensitivity of the drawn class's log-probability to that layer's output (``layer_inputs``). Each
 converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, Adam on seeded minibatches, on
 ``sum_images mean_classes (g . (y~ - y))^2``: the Fisher form of the output KL that the layer's output error causes,
-to second order (``y``: the source layer's output; ``samples=0``: the plain ``||y~ - y||^2 / ||y||^2``, measured far
-worse: RESULTS.md (b)). A step costs one attention layer's forward and backward on the minibatch, not the whole
+to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was
+removed: RESULTS.md (b)). A step costs one attention layer's forward and backward on the minibatch, not the whole
 model's (``refine.refine_logits``); the tokens and sensitivities are held in host memory (``(1 + samples) x images x
 tokens x D x layers`` floats, checked after the first batch). As in ``refine_logits``, a layer whose mean loss over
 all the images rose keeps its starting weights.
@@ -21,21 +21,22 @@ import torch.nn as nn
 from torch import Tensor
 from tqdm import tqdm
 
-from ..checks import nonnegative_int, positive_real
+from ..checks import nonnegative_int, positive_int, positive_real
 from .capture import _kept
 from .refine import RefineResult, _Trainable
 
-Call = tuple[Tensor, tuple, dict, Optional[Tensor]]  # one layer's tokens (images, N, D), the other arguments of its
-# calls, and the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)`` (None: a plain squared error)
+Call = tuple[Tensor, tuple, dict, Tensor]  # one layer's tokens (images, N, D), the other arguments of its calls, and
+# the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)``
 
 
-def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batch_size: int, samples: int = 0,
+def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batch_size: int, samples: int,
                  seed: int = 0) -> list[Call]:
     """What each of ``layers`` (modules of ``model``) receives on ``images``: the tokens of every image (on the CPU,
-    float32 at least) and the first call's other arguments (the same for every batch of images of one size). With ``samples``
-    S > 0, also each layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for S classes ``c_s`` drawn from
-    the model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output KL that a
+    float32 at least) and the first call's other arguments (the same for every batch of images of one size), and each
+    layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for ``samples`` classes ``c_s`` drawn from the
+    model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output KL that a
     change ``dy`` of that layer's output causes, to second order (``relative_loss``)."""
+    samples = positive_int(samples, "samples")
     tokens: list[list[Tensor]] = [[] for _ in layers]
     grads: list[list[Tensor]] = [[] for _ in layers]
     outputs: list[Tensor] = []
@@ -50,23 +51,21 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
         return record
 
     handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    if samples:
-        handles += [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers]
+    handles += [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers]
     try:
         device = next(model.parameters()).device
         for index, chunk in enumerate(images.split(batch_size)):
             if index == 1:
                 check_memory(tokens, grads, images.shape[0] / batch_size)
             outputs.clear()
-            with torch.set_grad_enabled(bool(samples)):
+            with torch.enable_grad():
                 logits = model(chunk.to(device))
-            if samples:
-                for layer_grads, g in zip(grads, sensitivities(logits, outputs, samples, generator)):
-                    layer_grads.append(g)
+            for layer_grads, g in zip(grads, sensitivities(logits, outputs, samples, generator)):
+                layer_grads.append(g)
     finally:
         for handle in handles:
             handle.remove()
-    return [(torch.cat(t), *r, torch.cat(g) if g else None) for t, r, g in zip(tokens, rest, grads)]
+    return [(torch.cat(t), *r, torch.cat(g)) for t, r, g in zip(tokens, rest, grads)]
 
 
 def available_bytes() -> int:
@@ -103,28 +102,18 @@ def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator
 
 
 def relative_loss(layer: nn.Module, call: Call, target: Tensor, index: Tensor, device: torch.device) -> Tensor:
-    """Over the images ``index``: ``||layer(tokens) - target||^2 / ||target||^2``; with sensitivities ``g``, the
-    Fisher form ``sum_n mean_s (g_ns . dy_n)^2`` (``layer_inputs``), which weighs ``dy`` by its effect on the output."""
+    """Over the images ``index``, the Fisher form ``sum_n mean_s (g_ns . dy_n)^2`` of the layer's output error
+    ``dy = layer(tokens) - target`` (``layer_inputs``): ``dy`` weighed by its effect on the model's output."""
     x, args, kwargs, weights = call
     delta = layer(x[index].to(device), *args, **kwargs).to(target.dtype) - target[index].to(device)
-    if weights is None:
-        return delta.pow(2).sum() / target[index].to(device).pow(2).sum().clamp_min(1e-30)
     return torch.einsum("bsnd,bnd->bs", weights[index].to(device, delta.dtype), delta).pow(2).mean(1).sum()
 
 
 @torch.no_grad()
 def mean_loss(layer: nn.Module, call: Call, target: Tensor, batch_size: int, device: torch.device) -> float:
-    """``relative_loss`` over all the images (the squared errors and energies summed batch by batch)."""
-    error = energy = 0.0
-    for start in range(0, call[0].shape[0], batch_size):
-        index = torch.arange(start, min(start + batch_size, call[0].shape[0]))
-        if call[3] is None:
-            delta = layer(call[0][index].to(device), *call[1], **call[2]).to(target.dtype) - target[index].to(device)
-            error += float(delta.pow(2).sum())
-            energy += float(target[index].pow(2).sum())
-        else:
-            error += float(relative_loss(layer, call, target, index, device))
-    return error / max(energy, 1e-30) if call[3] is None else error
+    """``relative_loss`` summed over all the images, batch by batch."""
+    return sum(float(relative_loss(layer, call, target, torch.arange(s, min(s + batch_size, call[0].shape[0])),
+                                   device)) for s in range(0, call[0].shape[0], batch_size))
 
 
 @torch.no_grad()

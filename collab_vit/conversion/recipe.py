@@ -79,6 +79,7 @@ class Recipe:
     decomposition: dict = field(default_factory=dict)  # max_iter, tol, dtype
 
     def __post_init__(self) -> None:  # the views' settings, checked even where a conversion draws none
+        positive_int(self.samples, "samples")
         positive_int(self.views, "views")
         check_kind(self.augment)
 
