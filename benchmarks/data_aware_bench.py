@@ -72,7 +72,7 @@ def main() -> None:
     none, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, 0, progress=False))
     per_step = (step - none) / args.refine_steps
     fit = split(args.default_images, None)
-    steps = refine_steps(recipe, "default", fit)
+    steps = refine_steps(recipe, "blocks", fit)
     projected = (fast - summary["capture_seconds"]) + capture * args.default_images + per_image * fit \
         + steps * len(originals) * per_step
     tokens = calls[-1][0][0].numel() * 4 * len(originals) * fit * (1 + recipe.samples)

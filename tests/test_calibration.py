@@ -312,6 +312,22 @@ def test_default_recipe_reports_its_candidates(effort: str) -> None:
     assert all(isinstance(m, collab_vit.CollaborativeAttention) for m in (b.attn for b in model.blocks))
 
 
+def test_pinned_refinements_each_take_their_own_passes(monkeypatch) -> None:
+    """Pinned side by side, the blockwise and the whole-model refinements each take their own passes over the 12
+    fitting images (16 per layer: 3 steps; 160 on the images and their views: 30), whatever the effort."""
+    from collab_vit.conversion.recipe import RecipeRun
+    taken = {}
+    for method, kind in (("blockwise", "blocks"), ("refined", "refine")):
+        original = getattr(RecipeRun, method)
+        monkeypatch.setattr(RecipeRun, method, lambda self, base, steps, *a, _o=original, _k=kind, **k:
+                            taken.setdefault(_k, []).append(steps) or _o(self, base, steps, *a, **k))
+    for effort in ("fast", "thorough"):
+        report = convert(tiny_deit(), 3, images(16), effort, candidates=("weight", "weight+blocks", "weight+refine"))
+        assert set(report.summary["candidates"]) == {"weight", "weight+blocks", "weight+refine"}
+        assert report.summary["views"] == 8  # the whole-model refinement's views were drawn
+    assert taken == {"blocks": [3, 3], "refine": [30, 30]}
+
+
 def test_refinement_that_makes_the_kl_worse_is_undone() -> None:
     """A far too large lr makes the mean KL worse: the closed-form weights come back, bit for bit."""
     model, closed = tiny_deit(), tiny_deit()

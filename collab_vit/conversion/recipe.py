@@ -42,14 +42,15 @@ from .refine import per_image_kl, refine_logits
 from .views import augmented_views, check_kind
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
-# of the output KL; "refine": refine.py, the whole model on the images and their views) and its passes over the
-# fitting images (steps = passes x images / batch: per layer for "blocks", 496 for the 1984 fitting images of
-# DEFAULT_IMAGES). RESULTS.md (b), issue 40: the blockwise default is as good or better on two sources at about a
-# twentieth of the compute, the whole-model one ("thorough", the default before) better at D/16 on the third.
-# Refining both starts was measured no better and removed: RESULTS.md (b).
-EFFORTS: dict[str, tuple[str, int]] = {"fast": ("", 0), "default": ("blocks", 16), "thorough": ("refine", 160)}
+# of the output KL; "refine": refine.py, the whole model on the images and their views). RESULTS.md (b), issue 40: the
+# blockwise default is as good or better on two sources at about a twentieth of the compute, the whole-model one
+# ("thorough", the default before) better at D/16 on the third. Refining both starts was measured no better and
+# removed: RESULTS.md (b).
+EFFORTS: dict[str, str] = {"fast": "", "default": "blocks", "thorough": "refine"}
+# each refinement's passes over the fitting images (steps = passes x images / batch: per layer for "blocks", 496 for
+# the 1984 fitting images of DEFAULT_IMAGES)
+PASSES: dict[str, int] = {"blocks": 16, "refine": 160}
 DEFAULT_IMAGES = 2048  # calibration images the command draws by default: the blockwise refinement gains with them
-WHOLE_MODEL_PASSES = EFFORTS["thorough"][1]  # a pinned "+refine" candidate's passes
 STARTS = ("weight", "whitened")
 
 
@@ -93,17 +94,17 @@ def split(n: int, holdout: Optional[int]) -> int:
     return n - holdout
 
 
-def refine_steps(recipe: Recipe, effort: str, fit: int, whole: bool = False) -> int:
-    """Steps of the refinement: ``recipe.refine_steps`` where set, else the effort's passes over the ``fit`` images
-    (``whole``: a pinned whole-model refinement's ``WHOLE_MODEL_PASSES``)."""
+def refine_steps(recipe: Recipe, kind: str, fit: int) -> int:
+    """Steps of the refinement ``kind`` (``PASSES``): ``recipe.refine_steps`` where set, else its passes over the
+    ``fit`` images."""
     if recipe.refine_steps is not None:
         return recipe.refine_steps
-    return math.ceil((WHOLE_MODEL_PASSES if whole else EFFORTS[effort][1]) * fit / recipe.batch_size)
+    return math.ceil(PASSES[kind] * fit / recipe.batch_size)
 
 
 def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
     """The refined candidate of ``effort``: the best start (``ranked``: best first) with its refinement."""
-    kind = EFFORTS[effort][0]
+    kind = EFFORTS[effort]
     return [f"{ranked[0]}+{kind}"] if kind else []
 
 
@@ -339,9 +340,10 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
     verdicts, which won, by how much)."""
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
-    whole = any(c.endswith("+refine") for c in pinned) if pinned is not None else EFFORTS[effort][0] == "refine"
-    steps = refine_steps(recipe, effort, split(images.shape[0], recipe.holdout), whole)
-    if not (whole and steps):
+    kinds = {c.split("+")[1] for c in pinned if "+" in c} if pinned is not None else {EFFORTS[effort]} - {""}
+    fit = split(images.shape[0], recipe.holdout)
+    steps = {kind: refine_steps(recipe, kind, fit) for kind in kinds}
+    if not steps.get("refine"):
         recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
     dims = run.dims(spec)
@@ -353,14 +355,15 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
         run.bar.close()
         ranked = sorted(starts, key=lambda s: found[s].held_kl)
         refined = [c for c in pinned if "+" in c] if pinned is not None else (
-            candidate_names(effort, ranked) if steps else [])
+            candidate_names(effort, ranked) if any(steps.values()) else [])
         for name in refined:
             start, kind = name.split("+")
-            found[name] = (run.refined if kind == "refine" else run.blockwise)(found[start], steps)
+            found[name] = (run.refined if kind == "refine" else run.blockwise)(found[start], steps[kind])
     best, verdicts = choose([found[c] for c in pinned] if pinned is not None else list(found.values()),
                             recipe.confidence, seed)
     run.finish(best)
-    return best.fits, run.source.held_tokens, summarize(run, found, best, verdicts, effort, steps if refined else 0)
+    return best.fits, run.source.held_tokens, summarize(run, found, best, verdicts, effort,
+                                                              steps[refined[0].split("+")[1]] if refined else 0)
 
 
 def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verdicts: dict[str, Verdict],
