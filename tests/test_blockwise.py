@@ -148,17 +148,19 @@ def test_the_default_refinement_runs_the_whole_model_a_fixed_number_of_times() -
     assert counts[("weight+refine",), 50] - counts[("weight+refine",), 5] == 45
 
 
-def test_a_cache_larger_than_the_memory_is_one_line_before_it_is_filled(tmp_path, monkeypatch, capsys) -> None:
+def test_a_cache_larger_than_the_memory_is_one_line_before_any_work(tmp_path, monkeypatch, capsys) -> None:
     """``collab-vit convert`` with more calibration images than the host can cache: one line naming the sizes and
-    what to do, exit 1, nothing written; checked after the first batch, before the others are read."""
+    what to do, exit 1, nothing written, before the recipe captures or fits anything (the estimate: one image's
+    tokens); as the cache fills, the first batch's measured size is checked again."""
     from collab_vit.cli import main as cli_main
-    from collab_vit.conversion import blockwise
+    from collab_vit.conversion import blockwise, recipe
 
     from test_calibration_cli import exported
     from tinyrun import make_image_folder
 
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=100, val_per_class=1)
     monkeypatch.setattr(blockwise, "available_bytes", lambda: 1000)
+    monkeypatch.setattr(recipe, "capture", lambda *a, **k: pytest.fail("captured tokens for a cache that cannot fit"))
     out = tmp_path / "k6.safetensors"
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
@@ -166,6 +168,24 @@ def test_a_cache_larger_than_the_memory_is_one_line_before_it_is_filled(tmp_path
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 1 and "GiB of tokens and sensitivities" in err and "--calibration-images" in err
     assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_the_cache_estimate_is_what_the_cache_holds() -> None:
+    """``cache_bytes`` from one image is the bytes ``layer_inputs`` holds (tokens and sensitivities, rope included);
+    the cache refuses itself after its first batch when the rest would not fit."""
+    from collab_vit.conversion import blockwise
+
+    for name in ("deit_tiny_patch16_224", "vit_small_patch16_rope_224"):
+        model = small(name)
+        sources = [block.attn for block in model.blocks]
+        images = torch.randn(6, 3, 32, 32)
+        calls = layer_inputs(model, sources, images, 2, 3)
+        held = sum(c[0].numel() * c[0].element_size() + c[3].numel() * c[3].element_size() for c in calls)
+        assert blockwise.cache_bytes(model, sources, images[:1], 6, 3) == held
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(blockwise, "available_bytes", lambda: held // 2)  # the first third is in, the rest is not
+            with pytest.raises(MemoryError, match="GiB of tokens and sensitivities"):
+                layer_inputs(model, sources, images, 2, 3)
 
 
 def test_the_lost_plain_loss_is_refused() -> None:

@@ -8,7 +8,8 @@ converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, Adam on seeded
 to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was
 removed: RESULTS.md (b)). A step costs one attention layer's forward and backward on the minibatch, not the whole
 model's (``refine.refine_logits``); the tokens and sensitivities are held in host memory (``(1 + samples) x images x
-tokens x D x layers`` floats, checked after the first batch). As in ``refine_logits``, a layer whose mean loss over
+tokens x D x layers`` floats: ``cache_bytes`` estimates them from one image before the recipe starts, and the first
+batch's measured size is checked again). As in ``refine_logits``, a layer whose mean loss over
 all the images rose keeps its starting weights.
 """
 from __future__ import annotations
@@ -55,8 +56,9 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
     try:
         device = next(model.parameters()).device
         for index, chunk in enumerate(images.split(batch_size)):
-            if index == 1:
-                check_memory(tokens, grads, images.shape[0] / batch_size)
+            if index == 1:  # the first batch's tokens and sensitivities, measured, for all the images
+                first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads))
+                check_memory(first * images.shape[0] / chunk.shape[0], first)
             outputs.clear()
             with torch.enable_grad():
                 logits = model(chunk.to(device))
@@ -77,13 +79,26 @@ def available_bytes() -> int:
         return 2 ** 62
 
 
-def check_memory(tokens: list[list[Tensor]], grads: list[list[Tensor]], batches: float) -> None:
-    """A one-line ``MemoryError`` before the cache outgrows the host memory: what the first batch took, ``batches``
-    times over, against what is available."""
-    first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads) if t)
-    need = first * (batches - 1)
-    if need > available_bytes():
-        raise MemoryError(f"the blockwise refinement caches {first * batches / 2**30:.1f} GiB of tokens and "
+def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int) -> int:
+    """The bytes ``layer_inputs`` will hold for ``images`` images and ``samples`` classes: each layer's tokens of
+    ``image`` (one image, one forward pass), float32 at least, ``1 + samples`` times, ``images`` times."""
+    sizes: list[int] = []
+    handles = [layer.register_forward_pre_hook(lambda m, a: sizes.append(a[0][0].numel() * max(a[0].element_size(), 4)))
+               for layer in layers]
+    try:
+        with torch.no_grad():
+            model(image.to(next(model.parameters()).device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(sizes) * (1 + samples) * images
+
+
+def check_memory(total: float, held: float = 0.0) -> None:
+    """A one-line ``MemoryError`` before the cache outgrows the host memory: ``total`` bytes of tokens and
+    sensitivities, ``held`` of them already in memory, against what is available."""
+    if total - held > available_bytes():
+        raise MemoryError(f"the blockwise refinement caches {total / 2**30:.1f} GiB of tokens and "
                           f"sensitivities for these images; {available_bytes() / 2**30:.1f} GiB is available: use "
                           f"fewer calibration images (--calibration-images) or --effort fast")
 

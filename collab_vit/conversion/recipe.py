@@ -37,7 +37,7 @@ from .decompose import energy_spectrum, relative_error
 from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
 from .guard import Verdict, held_out_split, judge
-from .blockwise import layer_inputs, refine_blocks
+from .blockwise import cache_bytes, check_memory, layer_inputs, refine_blocks
 from .refine import per_image_kl, refine_logits
 from .views import augmented_views, check_kind
 
@@ -149,7 +149,7 @@ class Builder:
     extra: tuple[tuple[str, Callable], ...] = ()  # more closed-form starts, ``(name, fit(attn, key_dim))``: at the
     # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
     weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim, given)`` (``given``: the key
-    # dims were given, not read from spectra), where it is not ``fit`` without sides (rotary: ``rotary_fit.weight_only``)
+    # dims were given, not read from spectra), where it is not ``fit`` without sides (``rotary_fit.weight_only``)
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -345,6 +345,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     steps = {kind: refine_steps(recipe, kind, fit) for kind in kinds}
     if not steps.get("refine"):
         recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored
+    if steps.get("blocks"):  # a cache that cannot fit is refused before any work (and checked again as it fills)
+        check_memory(cache_bytes(model, [a for _, a in layers], images[:1], fit, recipe.samples))
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
     dims = run.dims(spec)
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
