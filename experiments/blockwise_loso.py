@@ -208,10 +208,11 @@ def report(results: Path) -> None:
              f"{len({s for s, _ in table})} sources, key dims D/8 and D/16, {rows[0]['images']} calibration images "
              "(64 held out). Top-1 on the 10k test images, change against the source with a 95 % interval paired "
              "over the test images; 'share': the recipe's drop over weight-only's where weight-only loses >= 0.5 "
-             "(target <= 0.5, moonshot <= 1/3); 'vs weight': recipe minus weight-only (target >= -0.1).", "",
+             "(target <= 0.5, moonshot <= 1/3); 'vs weight': recipe minus weight-only (target >= -0.1); 'refined alone': "
+             "the blockwise candidate, whatever the guard kept.", "",
              f"Chosen on all sources: **{chosen['all'].label()}**.", "",
-             "| source | top-1 | key dim | chosen without it | weight-only | recipe (kept) | vs weight | share | "
-             "targets |", "|---|---:|---:|---|---:|---|---:|---:|---|"]
+             "| source | top-1 | key dim | chosen without it | weight-only | refined alone | recipe (kept) | vs weight | "
+             "share | targets |", "|---|---:|---:|---|---:|---:|---|---:|---:|---|"]
     met_all, halves = [], []
     for (name, key_dim), values in sorted(table.items()):
         setting = chosen[name]
@@ -224,8 +225,9 @@ def report(results: Path) -> None:
         met_all.append(met)
         if share is not None:
             halves.append(share <= 0.5)
+        alone = next(s for s in row["snapshots"] if s["passes"] == setting.passes)["top1"] - row["source_top1"]
         lines.append(f"| {name} | {row['source_top1']:.2f} | {key_dim} | {setting.label()} | {weight:+.2f} | "
-                     f"{change:+.2f} ± {half:.2f} ({which}) | {values[setting]:+.2f} | "
+                     f"{alone:+.2f} | {change:+.2f} ± {half:.2f} ({which}) | {values[setting]:+.2f} | "
                      f"{'—' if share is None else f'{share:.2f}'} | {'met' if met else 'missed'}"
                      f"{' (moonshot)' if share is not None and share <= 1 / 3 else ''} |")
     lines += ["", f"Targets met in {sum(met_all)} of {len(met_all)} cells; at most half of weight-only's drop in "
