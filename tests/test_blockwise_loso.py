@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_experiments import ROOT, run, tiny_fashion_mnist  # noqa: F401  (the fixture)
-from test_recipe_holds import sharp_source
+from test_recipe_holds import copy_rows, sharp_source
 
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import blockwise_loso  # noqa: E402
@@ -34,9 +34,7 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     source, results = sharp_source(tmp_path), tmp_path / 'results'
     run('blockwise_loso.py', 'grid', '--source', source, '--name', 'a', '--data-dir', tiny_fashion_mnist,
         '--results', results, '--images', '24', '--lrs', '1e-3', '--passes', '4', '8', '--threads', '1')
-    (results / 'b').mkdir()
-    for path in (results / 'a').glob('*.json'):  # a second source for the choice: the same rows under another name
-        (results / 'b' / path.name).write_text(path.read_text().replace('"source": "a"', '"source": "b"'))
+    copy_rows(results, 'a', 'b')
     row = json.loads((results / 'a' / 'k1_lr0.001.json').read_text())
     assert row['fit'] == 18 and [s['steps'] for s in row['snapshots']] == [2, 3]
     out = run('blockwise_loso.py', 'choose', '--results', results)

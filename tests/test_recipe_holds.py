@@ -49,6 +49,14 @@ def test_replay_refuses_a_guard_that_ranks_the_starts_the_other_way() -> None:
     assert recipe_holds.replay(old, views) == ('weight+refine', 82.0)
 
 
+def copy_rows(results, name: str, other: str) -> None:
+    """A second source for a leave-one-source-out choice: ``name``'s grid rows under another name."""
+    (results / other).mkdir()
+    for path in (results / name).glob('*.json'):
+        text = path.read_text().replace(f'"source": "{name}"', f'"source": "{other}"')
+        (results / other / path.name).write_text(text)
+
+
 def sharp_source(tmp_path) -> str:
     """The experiments' tiny random source with weights large enough that its outputs are far from uniform (the KLs
     the recipe compares are then well above round-off)."""
@@ -69,9 +77,7 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     source, results = sharp_source(tmp_path), tmp_path / 'results'
     run('recipe_holds.py', 'grid', '--source', source, '--name', 'a', '--data-dir', tiny_fashion_mnist,
         '--results', results, *GRID)
-    (results / 'b').mkdir()
-    for path in (results / 'a').glob('*.json'):  # a second source for the choice: the same rows under another name
-        (results / 'b' / path.name).write_text(path.read_text().replace('"source": "a"', '"source": "b"'))
+    copy_rows(results, 'a', 'b')
     row = json.loads((results / 'a' / 'k4_h6_cropx2_lr0.001.json').read_text())
     assert row['fit'] == 18 and [s['steps'] for s in row['snapshots']] == [3, 5]
     assert len(row['snapshots'][0]['held']) == 6

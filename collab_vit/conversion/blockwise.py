@@ -97,9 +97,10 @@ def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images
 def check_memory(total: float, held: float = 0.0) -> None:
     """A one-line ``MemoryError`` before the cache outgrows the host memory: ``total`` bytes of tokens and
     sensitivities, ``held`` of them already in memory, against what is available."""
-    if total - held > available_bytes():
+    available = available_bytes()
+    if total - held > available:
         raise MemoryError(f"the blockwise refinement caches {total / 2**30:.1f} GiB of tokens and "
-                          f"sensitivities for these images; {available_bytes() / 2**30:.1f} GiB is available: use "
+                          f"sensitivities for these images; {available / 2**30:.1f} GiB is available: use "
                           f"fewer calibration images (--calibration-images) or --effort fast")
 
 
