@@ -204,7 +204,7 @@ def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
         rotary_fit.plan(freqs, allocation="dp")
 
 
-def test_weight_only_keeps_the_selection_at_light_compression() -> None:
+def test_weight_only_keeps_the_selection_at_light_compression(tmp_path: Path) -> None:
     """Issue 40 item 4: at given key dims of at least half a layer's q/k dims the weight-only conversion is each head
     keeping its strongest pairs (``selection_layer``, to the bit), below half the per-frequency fit; a threshold keeps
     the fit whose spectrum chose its key dims; the calibrated recipe's weight-only candidate is the weight-only
@@ -223,6 +223,11 @@ def test_weight_only_keeps_the_selection_at_light_compression() -> None:
         pinned = copy.deepcopy(model)
         collab_vit.conversion.reparam.convert_model(pinned, key_dim, "tucker", images, "fast", 0, False, recipe)
         assert torch.equal(pinned(x), converted(x))
+    source, again = convert_rope_to_folder(tmp_path, full // 2)  # through ``collab-vit convert`` and timm's reload
+    by_hand = copy.deepcopy(source)
+    for block in by_hand.blocks:
+        block.attn = rotary_fit.selection_layer(block.attn, full // 2)
+    assert torch.equal(vit_family.logits(again, x), vit_family.logits(by_hand, x))
     _, report = collab_vit.reparametrize(copy.deepcopy(model), 0.9, progress=False, return_report=True)
     for r in report:  # the threshold's layers are the fits its spectra promise, even at light compression
         attn = model.get_submodule(r.name)
