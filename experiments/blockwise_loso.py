@@ -5,7 +5,8 @@
 
 ``grid`` converts one trained Fashion-MNIST source (``experiments/sources.sh``) at key dims D/8 and D/16 with the
 package's calibrated recipe as ``collab-vit convert`` runs it (2048 training images, a seeded draw, 64 held out,
-blockwise refinement of the better start), driving ``RecipeRun``, once per refinement lr (``--lrs``), with the
+blockwise refinement of the better start), driving ``RecipeRun``, once per refinement lr (``--lrs``) and held-out
+count (``--holdouts``: the guard's images, taken from the 2048), with the
 refinement's passes (``--passes``) read along one run: each layer draws its own minibatches, so a run of fewer steps
 is the longer one's prefix, layer by layer, and a layer whose loss over all the images rose keeps its start, as
 ``refine_blocks`` does. Each JSON (one per key dim and lr) holds every candidate's per-image held-out KL (what the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import math
 from dataclasses import dataclass, fields, replace
@@ -53,9 +55,10 @@ class Setting:
     lr: float
     passes: int
     confidence: float = 0.95
+    holdout: int = 64  # held-out images of the guard, out of the calibration images
 
     def label(self) -> str:
-        return f"lr {self.lr:g}, {self.passes} passes, confidence {self.confidence:g}"
+        return f"lr {self.lr:g}, {self.passes} passes, confidence {self.confidence:g}, {self.holdout} held out"
 
 
 @torch.no_grad()
@@ -120,36 +123,35 @@ def grid(args: argparse.Namespace) -> None:
     rotary = any(is_rotary(attn, source) for _, attn in layers)
     full = layers[0][1].num_heads * layers[0][1].head_dim
     print(f"{args.name}: source top-1 {reference['top1']:.2f}, D {full}{', rotary' if rotary else ''}", flush=True)
-    for key_dim in (full // f for f in FRACTIONS):
-        for lr in args.lrs:
-            path = args.results / args.name / f"k{key_dim}_lr{lr:g}.json"
-            if path.exists():
-                continue
-            model = copy.deepcopy(source).eval()
-            recipe = Recipe(refine_lr=lr, views=1)  # as ``calibrated`` runs the default effort: no views
-            run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed,
-                            ROTARY if rotary else STANDARD)
-            dims = run.dims(key_dim)
-            starts = {}
-            for name in run.builder.starts:
-                candidate = run.fit_start(name, dims[name])
-                starts[name] = {"held": candidate.held.tolist(), **packed(predictions(model, test)),
-                                "candidate": candidate}
-            base = min(starts, key=lambda n: starts[n]["candidate"].held_kl)  # the start the package refines
-            snaps = snapshots(run, starts[base]["candidate"], args.passes, test)
-            for entry in starts.values():
-                del entry["candidate"]
-            row = {"source": args.name, "source_top1": reference["top1"], "source_right": reference["right"],
-                   "rotary": rotary, "full": full, "key_dim": key_dim, "lr": lr, "images": args.images,
-                   "fit": run.source.fit, "samples": recipe.samples, "starts": starts, "refined_from": base,
-                   "snapshots": snaps, "test_images": int(test[1].numel()), "commit": git_commit(),
-                   "machine": machine()}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, row)
-            shown = " / ".join(f"{s['top1']:.2f}" for s in snaps)
-            print(f"{args.name} k{key_dim} lr {lr:g}: weight {starts['weight']['top1']:.2f}, {base} "
-                  f"{starts[base]['top1']:.2f}, refined {shown} at {args.passes} passes, "
-                  f"{snaps[-1]['seconds']:.0f} s", flush=True)
+    for key_dim, lr, holdout in itertools.product([full // f for f in FRACTIONS], args.lrs, args.holdouts or [None]):
+        path = args.results / args.name / f"k{key_dim}_lr{lr:g}{'' if holdout is None else f'_held{holdout}'}.json"
+        if path.exists():
+            continue
+        model = copy.deepcopy(source).eval()
+        recipe = Recipe(refine_lr=lr, views=1, holdout=holdout)  # as ``calibrated`` runs the default: no views
+        run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed,
+                        ROTARY if rotary else STANDARD)
+        dims = run.dims(key_dim)
+        starts = {}
+        for name in run.builder.starts:
+            candidate = run.fit_start(name, dims[name])
+            starts[name] = {"held": candidate.held.tolist(), **packed(predictions(model, test)),
+                            "candidate": candidate}
+        base = min(starts, key=lambda n: starts[n]["candidate"].held_kl)  # the start the package refines
+        snaps = snapshots(run, starts[base]["candidate"], args.passes, test)
+        for entry in starts.values():
+            del entry["candidate"]
+        row = {"source": args.name, "source_top1": reference["top1"], "source_right": reference["right"],
+               "rotary": rotary, "full": full, "key_dim": key_dim, "lr": lr, "images": args.images,
+               "fit": run.source.fit, "samples": recipe.samples, "starts": starts, "refined_from": base,
+               "snapshots": snaps, "test_images": int(test[1].numel()), "commit": git_commit(),
+               "machine": machine()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, row)
+        shown = " / ".join(f"{s['top1']:.2f}" for s in snaps)
+        print(f"{args.name} k{key_dim} lr {lr:g} held {held_out(row)}: weight {starts['weight']['top1']:.2f}, {base} "
+              f"{starts[base]['top1']:.2f}, refined {shown} at {args.passes} passes, "
+              f"{snaps[-1]['seconds']:.0f} s", flush=True)
 
 
 def kept(row: dict, setting: Setting, seed: int = 0) -> tuple[str, dict]:
@@ -160,6 +162,10 @@ def kept(row: dict, setting: Setting, seed: int = 0) -> tuple[str, dict]:
             for name, e in entries.items()]
     best, _ = choose(pool, setting.confidence, seed)
     return best.name, entries[best.name]
+
+
+def held_out(row: dict) -> int:
+    return len(row["starts"]["weight"]["held"])
 
 
 def load_rows(results: Path, lr: Optional[float] = None) -> list[dict]:
@@ -173,7 +179,7 @@ def outcomes(rows: list[dict]) -> dict[tuple[str, int], dict[Setting, float]]:
     for row in rows:
         for snap in row["snapshots"]:
             for confidence in CONFIDENCES:
-                setting = Setting(row["lr"], snap["passes"], confidence)
+                setting = Setting(row["lr"], snap["passes"], confidence, held_out(row))
                 gain = kept(row, setting)[1]["top1"] - row["starts"]["weight"]["top1"]
                 table.setdefault((row["source"], row["key_dim"]), {})[setting] = gain
     return table
@@ -183,7 +189,7 @@ def leave_one_out(table: dict[tuple[str, int], dict[Setting, float]]) -> dict[st
     """For each source (and "all"), the setting with the best mean gain over weight-only on the other sources' cells,
     among the settings measured on every cell; ties to the first of a fixed order (fewer passes first)."""
     common = set.intersection(*(set(v) for v in table.values()))
-    order = sorted(common, key=lambda c: (c.passes, c.lr, -c.confidence))
+    order = sorted(common, key=lambda c: (c.passes, c.lr, -c.confidence, c.holdout))
     chosen = {}
     for held_out in [*sorted({s for s, _ in table}), None]:
         cells = [v for (s, _), v in table.items() if s != held_out]
@@ -203,10 +209,10 @@ def report(results: Path) -> None:
     rows = load_rows(results)
     table = outcomes(rows)
     chosen = leave_one_out(table)
-    by_cell = {(r["source"], r["key_dim"], r["lr"]): r for r in rows}
+    by_cell = {(r["source"], r["key_dim"], r["lr"], held_out(r)): r for r in rows}
     lines = ["# The blockwise default's constants by leave-one-source-out (experiments/blockwise_loso.py)", "",
              f"{len({s for s, _ in table})} sources, key dims D/8 and D/16, {rows[0]['images']} calibration images "
-             "(64 held out). Top-1 on the 10k test images, change against the source with a 95 % interval paired "
+             "(the held-out ones among them). Top-1 on the 10k test images, change against the source with a 95 % interval paired "
              "over the test images; 'share': the recipe's drop over weight-only's where weight-only loses >= 0.5 "
              "(target <= 0.5, moonshot <= 1/3); 'vs weight': recipe minus weight-only (target >= -0.1); 'refined alone': "
              "the blockwise candidate, whatever the guard kept.", "",
@@ -216,7 +222,7 @@ def report(results: Path) -> None:
     met_all, halves = [], []
     for (name, key_dim), values in sorted(table.items()):
         setting = chosen[name]
-        row = by_cell[(name, key_dim, setting.lr)]
+        row = by_cell[(name, key_dim, setting.lr, setting.holdout)]
         weight = row["starts"]["weight"]["top1"] - row["source_top1"]
         which, entry = kept(row, setting)
         change, half = paired(row, entry)
@@ -281,6 +287,7 @@ def main() -> None:
     g.add_argument("--images", type=int, default=DEFAULT_IMAGES, help="calibration images")
     g.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3])
     g.add_argument("--passes", nargs="+", type=int, default=[4, 8, 16, 32])
+    g.add_argument("--holdouts", nargs="+", type=int, help="the guard's held-out images (default: the package's)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=2)
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
