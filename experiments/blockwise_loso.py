@@ -2,20 +2,23 @@
 
     python experiments/blockwise_loso.py grid --source runs/sources/e5-s0/model.safetensors --name e5-s0
     python experiments/blockwise_loso.py choose          # after the grid of every source
+    python experiments/blockwise_loso.py check --results results/blockwise_preregistered
 
 ``grid`` converts one trained Fashion-MNIST source (``experiments/sources.sh``) at key dims D/8 and D/16 with the
-package's calibrated recipe as ``collab-vit convert`` runs it (2048 training images, a seeded draw, 64 held out,
-blockwise refinement of the better start), driving ``RecipeRun``, once per refinement lr (``--lrs``) and held-out
-count (``--holdouts``: the guard's images, taken from the 2048), with the
-refinement's passes (``--passes``) read along one run: each layer draws its own minibatches, so a run of fewer steps
-is the longer one's prefix, layer by layer, and a layer whose loss over all the images rose keeps its start, as
-``refine_blocks`` does. Each JSON (one per key dim and lr) holds every candidate's per-image held-out KL (what the
-guard scores) and its test predictions (right or wrong per image, packed bits) for every start and snapshot.
+package's calibrated recipe as ``collab-vit convert`` runs it (2048 training images, a seeded draw, blockwise
+refinement of the better start), driving ``RecipeRun``, once per refinement lr (``--lrs``) and count of the guard's
+held-out images (``--holdouts``, out of the 2048; default: the package's, 64), with the refinement's passes
+(``--passes``) read along one run: each layer draws its own minibatches, so a run of fewer steps is the longer one's
+prefix, layer by layer, and a layer whose loss over all the images rose keeps its start, as ``refine_blocks`` does.
+Each JSON (one per key dim, lr and held-out count) holds every candidate's per-image held-out KL (what the guard
+scores) and its test predictions (right or wrong per image, packed bits) for every start and snapshot.
 
-``choose`` replays the guard (``recipe.choose``) for every setting (lr, passes, the guard's confidence), picks the
-setting for each source by the best mean top-1 gain over weight-only on the other sources (both key dims), and
-writes ``loso.md``: each source's top-1 change from constants chosen without it, with a 95 % paired interval over the
-test images, against the issue's targets; the setting chosen on all sources; each constant alone; and ``loso.png``.
+``choose`` replays the guard (``recipe.choose``) for every setting (lr, passes, the guard's confidence and held-out
+count), picks the setting for each source by the best mean top-1 gain over weight-only on the other sources (both key
+dims), and writes ``loso.md``: each source's top-1 change from constants chosen without it, with a 95 % paired
+interval over the test images, against the issue's targets; the setting chosen on all sources; each constant alone;
+and ``loso.png``. ``check`` reports the sources of another folder (the pre-registered ones) under the package's
+default alone (``check.md``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import copy
 import itertools
 import json
 import math
+import statistics
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from statistics import fmean
@@ -39,7 +43,8 @@ from collab_vit.cli import calibration_loader
 from collab_vit.conversion.blockwise import mean_loss, source_outputs
 from collab_vit.conversion.calibration import calibration_images
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import DEFAULT_IMAGES, STANDARD, Candidate, Recipe, RecipeRun, choose, copies
+from collab_vit.conversion.recipe import (DEFAULT_IMAGES, PASSES, STANDARD, Candidate, Recipe, RecipeRun, choose,
+                                         copies, split)
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
 from collab_vit.conversion.rotary import is_rotary
 from collab_vit.conversion.rotary_fit import ROTARY
@@ -205,20 +210,19 @@ def paired(row: dict, entry: dict) -> tuple[float, float]:
     return 100.0 * diff.mean(), 100.0 * 1.96 * diff.std(ddof=1) / math.sqrt(n)
 
 
-def report(results: Path) -> None:
-    rows = load_rows(results)
+HEADER = ("Top-1 on the 10k test images, change against the source with a 95 % interval paired over the test images; "
+          "'share': the recipe's drop over weight-only's where weight-only loses >= 0.5 (target <= 0.5, moonshot "
+          "<= 1/3); 'vs weight': recipe minus weight-only (target >= -0.1); 'refined alone': the blockwise candidate, "
+          "whatever the guard kept.")
+
+
+def targets(rows: list[dict], chosen: dict[str, Setting]) -> list[str]:
+    """Each source's cells under the setting ``chosen`` for it, against the issue's targets (a markdown table and a
+    count)."""
     table = outcomes(rows)
-    chosen = leave_one_out(table)
     by_cell = {(r["source"], r["key_dim"], r["lr"], held_out(r)): r for r in rows}
-    lines = ["# The blockwise default's constants by leave-one-source-out (experiments/blockwise_loso.py)", "",
-             f"{len({s for s, _ in table})} sources, key dims D/8 and D/16, {rows[0]['images']} calibration images "
-             "(the held-out ones among them). Top-1 on the 10k test images, change against the source with a 95 % interval paired "
-             "over the test images; 'share': the recipe's drop over weight-only's where weight-only loses >= 0.5 "
-             "(target <= 0.5, moonshot <= 1/3); 'vs weight': recipe minus weight-only (target >= -0.1); 'refined alone': "
-             "the blockwise candidate, whatever the guard kept.", "",
-             f"Chosen on all sources: **{chosen['all'].label()}**.", "",
-             "| source | top-1 | key dim | chosen without it | weight-only | refined alone | recipe (kept) | vs weight | "
-             "share | targets |", "|---|---:|---:|---|---:|---:|---|---:|---:|---|"]
+    lines = ["| source | top-1 | key dim | setting | weight-only | refined alone | recipe (kept) | vs weight | share | "
+             "targets |", "|---|---:|---:|---|---:|---:|---|---:|---:|---|"]
     met_all, halves = [], []
     for (name, key_dim), values in sorted(table.items()):
         setting = chosen[name]
@@ -236,12 +240,40 @@ def report(results: Path) -> None:
                      f"{alone:+.2f} | {change:+.2f} ± {half:.2f} ({which}) | {values[setting]:+.2f} | "
                      f"{'—' if share is None else f'{share:.2f}'} | {'met' if met else 'missed'}"
                      f"{' (moonshot)' if share is not None and share <= 1 / 3 else ''} |")
-    lines += ["", f"Targets met in {sum(met_all)} of {len(met_all)} cells; at most half of weight-only's drop in "
-              f"{sum(halves)} of {len(halves)} cells where it loses >= 0.5.", ""]
+    return lines + ["", f"Targets met in {sum(met_all)} of {len(met_all)} cells; at most half of weight-only's drop "
+                    f"in {sum(halves)} of {len(halves)} cells where it loses >= 0.5.", ""]
+
+
+def report(results: Path) -> None:
+    rows = load_rows(results)
+    table = outcomes(rows)
+    chosen = leave_one_out(table)
+    lines = ["# The blockwise default's constants by leave-one-source-out (experiments/blockwise_loso.py)", "",
+             f"{len({s for s, _ in table})} sources, key dims D/8 and D/16, {rows[0]['images']} calibration images "
+             "(the held-out ones among them); each source's setting chosen without it. " + HEADER, "",
+             f"Chosen on all sources: **{chosen['all'].label()}**.", "", *targets(rows, chosen)]
     (results / "loso.md").write_text("\n".join(lines) + "\n" + sensitivity(table, chosen["all"]))
     plot(table, {(r["source"], r["key_dim"]): r["full"] // r["key_dim"] for r in rows}, chosen["all"],
          results / "loso.png")
     print((results / "loso.md").read_text())
+
+
+def package_default(images: int = DEFAULT_IMAGES) -> Setting:
+    """The package's blockwise default as a setting, at ``images`` calibration images."""
+    recipe = Recipe()
+    return Setting(recipe.refine_lr, PASSES["blocks"], recipe.confidence, images - split(images, recipe.holdout))
+
+
+def check(results: Path) -> None:
+    """The pre-registered check: every source in ``results`` under the package's default alone (``check.md``)."""
+    rows = load_rows(results)
+    setting = package_default(rows[0]["images"])
+    lines = ["# The pre-registered check of the frozen blockwise default (experiments/blockwise_loso.py check)", "",
+             f"Sources trained after the defaults were frozen; {rows[0]['images']} calibration images, the package's "
+             f"default recipe: {setting.label()}. " + HEADER, "",
+             *targets(rows, {r["source"]: setting for r in rows})]
+    (results / "check.md").write_text("\n".join(lines))
+    print((results / "check.md").read_text())
 
 
 def sensitivity(table: dict[tuple[str, int], dict[Setting, float]], best: Setting) -> str:
@@ -260,19 +292,28 @@ def sensitivity(table: dict[tuple[str, int], dict[Setting, float]], best: Settin
 
 def plot(table: dict[tuple[str, int], dict[Setting, float]], fractions: dict[tuple[str, int], int], best: Setting,
          path: Path) -> None:
-    """Mean gain over weight-only against passes, one line per lr, a panel per key dim (``fractions``: D / key dim
-    of each cell)."""
+    """Gain over weight-only against passes, a panel per key dim (``fractions``: D / key dim of each cell): each
+    source at the all-source choice (thin), and the median over the sources for each lr and held-out count (one
+    source's large gains, e.g. the rotary one's, do not move a median)."""
     fig = figure(9, 3.8)
     for i, fraction in enumerate(FRACTIONS):
         ax = fig.add_subplot(1, len(FRACTIONS), i + 1)
-        cells = [v for cell, v in table.items() if fractions[cell] == fraction]
-        for lr in sorted({c.lr for v in cells for c in v}):
-            points = sorted({c.passes for v in cells for c in v})
-            ys = [fmean(v[c] for v in cells) if all((c := replace(best, lr=lr, passes=p)) in v for v in cells)
-                  else math.nan for p in points]
-            ax.plot(points, ys, marker="o", label=f"lr {lr:g}")
-        log2_axes(ax, ("refinement passes over the fitting images", "recipe top-1 minus weight-only (mean)",
+        cells = {cell: v for cell, v in table.items() if fractions[cell] == fraction}
+        points = sorted({c.passes for v in cells.values() for c in v})
+        for (name, _), v in sorted(cells.items()):
+            ys = [v.get(replace(best, passes=p), math.nan) for p in points]
+            ax.plot(points, ys, color="0.75", lw=0.8)
+            ax.annotate(name, (points[-1], ys[-1]), fontsize=5, color="0.5")
+        for lr, holdout in sorted({(c.lr, c.holdout) for v in cells.values() for c in v}):
+            settings = [replace(best, lr=lr, holdout=holdout, passes=p) for p in points]
+            ys = [statistics.median(v[c] for v in cells.values()) if all(c in v for v in cells.values())
+                  else math.nan for c in settings]
+            if all(map(math.isnan, ys)):
+                continue  # not measured on every source
+            ax.plot(points, ys, marker="o", label=f"median, lr {lr:g}, {holdout} held out")
+        log2_axes(ax, ("refinement passes over the fitting images", "recipe top-1 minus weight-only",
                        f"key dim D/{fraction} ({len(cells)} sources)"), (0.0, "weight-only"))
+        ax.set_yscale("symlog", linthresh=1.0)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -291,13 +332,16 @@ def main() -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=2)
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
-    for q in (g, c):
+    k = sub.add_parser("check", help="the sources in --results under the package's default alone")
+    for q in (g, c, k):
         q.add_argument("--results", type=Path, default=ROOT / "results" / "blockwise_loso")
     args = p.parse_args()
     if args.command == "grid":
         grid(args)
-    else:
+    elif args.command == "choose":
         report(args.results)
+    else:
+        check(args.results)
 
 
 if __name__ == "__main__":

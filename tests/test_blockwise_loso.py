@@ -33,17 +33,20 @@ def test_leave_one_out_never_uses_the_source_it_reports() -> None:
 def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):  # noqa: F811
     source, results = sharp_source(tmp_path), tmp_path / 'results'
     run('blockwise_loso.py', 'grid', '--source', source, '--name', 'a', '--data-dir', tiny_fashion_mnist,
-        '--results', results, '--images', '24', '--lrs', '1e-3', '--passes', '4', '8', '--threads', '1',
+        '--results', results, '--images', '24', '--lrs', '1e-3', '--passes', '4', '8', '16', '--threads', '1',
         '--holdouts', '6', '2')
     copy_rows(results, 'a', 'b')
     row = json.loads((results / 'a' / 'k1_lr0.001_held6.json').read_text())  # 6: the package's count for 24
-    assert row['fit'] == 18 and [s['steps'] for s in row['snapshots']] == [2, 3]
+    assert row['fit'] == 18 and [s['steps'] for s in row['snapshots']] == [2, 3, 5]
     fewer = json.loads((results / 'a' / 'k1_lr0.001_held2.json').read_text())
     assert fewer['fit'] == 22 and len(fewer['starts']['weight']['held']) == 2
     out = run('blockwise_loso.py', 'choose', '--results', results)
     main_table, alone = out.split('## ')[:2]
     assert main_table.count('| a | ') == 2 and main_table.count('| b | ') == 2
     assert alone.count('| holdout | ') == 2  # both counts measured on every cell, each varied alone
+    # the pre-registered check reads each source under the package's default alone: 16 passes, 6 of 24 held out
+    checked = run('blockwise_loso.py', 'check', '--results', results)
+    assert checked.count('| a | ') == 2 and checked.count('| lr 0.001, 16 passes, confidence 0.95, 6 held out |') == 4
     assert (results / 'loso.png').stat().st_size > 10_000
 
     # the snapshot at 4 passes is what the package's default recipe returns with that many steps, to the bit: every
