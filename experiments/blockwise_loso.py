@@ -285,6 +285,8 @@ def sensitivity(table: dict[tuple[str, int], dict[Setting, float]], best: Settin
         for value in sorted({getattr(c, f.name) for v in table.values() for c in v}):
             setting = replace(best, **{f.name: value})
             gains = [v[setting] for v in table.values() if setting in v]
+            if not gains:
+                continue  # not measured with the other constants at their choice
             mark = " (chosen)" if value == getattr(best, f.name) else ""
             lines.append(f"| {f.name} | {value}{mark} | {fmean(gains):+.3f} | {min(gains):+.2f} | {len(gains)} |")
     return "\n".join(lines) + "\n"

@@ -45,14 +45,15 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     assert main_table.count('| a | ') == 2 and main_table.count('| b | ') == 2
     assert alone.count('| holdout | ') == 2  # both counts measured on every cell, each varied alone
     # the pre-registered check reads each source under the package's default alone: 16 passes, 6 of 24 held out
+    from collab_vit.conversion.recipe import Recipe
     checked = run('blockwise_loso.py', 'check', '--results', results)
-    assert checked.count('| a | ') == 2 and checked.count('| lr 0.001, 16 passes, confidence 0.95, 6 held out |') == 4
+    default = f'| lr 0.001, 16 passes, confidence {Recipe().confidence:g}, 6 held out |'
+    assert checked.count('| a | ') == 2 and checked.count(default) == 4
     assert (results / 'loso.png').stat().st_size > 10_000
 
     # the snapshot at 4 passes is what the package's default recipe returns with that many steps, to the bit: every
     # candidate's held-out KL, the candidate kept, and its predictions on the test images
     from collab_vit.conversion.files import load_source
-    from collab_vit.conversion.recipe import Recipe
     from collab_vit.conversion.reparam import convert_model
     from data_aware import test_set
 
@@ -67,9 +68,19 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     refined = f"{row['refined_from']}+blocks"
     assert report.summary['candidates'] == {name: fmean(entry['held']) for name, entry in
                                             [*row['starts'].items(), (refined, snap)]}
-    kept, entry = blockwise_loso.kept(row, Setting(1e-3, 4, 0.95))
+    kept, entry = blockwise_loso.kept(row, Setting(1e-3, 4, Recipe().confidence))
     assert report.summary['chosen'] == kept
     assert blockwise_loso.packed(blockwise_loso.predictions(converted, test)) == {
         'top1': entry['top1'], 'right': entry['right']}
     change, half = blockwise_loso.paired(row, entry)
     assert change == pytest.approx(entry['top1'] - row['source_top1']) and half > 0
+
+
+def test_the_package_default_is_the_choice_on_all_sources() -> None:
+    """The frozen default (lr, passes, the guard's confidence and held-out count at 2048 images) is the setting the
+    committed grids of results/blockwise_loso choose on all ten sources: a changed constant, or a grid that chooses
+    otherwise, fails here."""
+    rows = blockwise_loso.load_rows(blockwise_loso.ROOT / 'results' / 'blockwise_loso')
+    assert len({r['source'] for r in rows}) >= 10 and {r['images'] for r in rows} == {2048}
+    chosen = leave_one_out(blockwise_loso.outcomes(rows))
+    assert blockwise_loso.package_default() == chosen['all']

@@ -107,7 +107,7 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     pinned = ('weight', 'whitened', f"{row['refined_from']}+refine")  # the whole-model refinement the grid measures
     report = convert_model(converted, 4, 'tucker', images, 'default', 0, False,
                            Recipe(holdout=6, views=2, augment='crop', refine_steps=5, candidates=pinned))
-    kept = recipe_holds.replay(row, Setting(6, 'crop:2', 1e-3, 16, 1, 0.95))
+    kept = recipe_holds.replay(row, Setting(6, 'crop:2', 1e-3, 16, 1, Recipe().confidence))
     assert report.summary['candidates'] == {name: fmean(entry['held']) for name, entry in
                                             [*row['starts'].items(), (f"{row['refined_from']}+refine", snap)]}
     assert report.summary['chosen'] == kept[0] and top1(converted, *test) == kept[1]

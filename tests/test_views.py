@@ -131,7 +131,7 @@ def test_the_guard_scores_each_held_out_image_as_it_is(monkeypatch) -> None:
     for name, kl in by_hand.items():
         assert s["candidates"][name] == pytest.approx(float(kl.mean()), rel=1e-5)
         if name != "weight":
-            verdict = judge(name, by_hand["weight"], kl, 0.95, 0)
+            verdict = judge(name, by_hand["weight"], kl, recipe_module.Recipe().confidence, 0)
             assert s["verdicts"][name]["kept"] == verdict.kept
             for key in ("gain", "low", "high"):
                 assert s["verdicts"][name][key] == pytest.approx(getattr(verdict, key), rel=1e-4, abs=1e-9)

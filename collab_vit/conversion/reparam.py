@@ -139,7 +139,7 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
         method: ``"tucker"`` (compress, then CP of the core), ``"cp"`` (ALS on the factored tensor) or ``"parafac"``
             (the paper's procedure: tensorly's CP-ALS on the dense tensor).
         calibration: unlabelled images (a (B, C, H, W) tensor, or batches: ``(images, labels)`` or images) in the
-            model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-64) held out; the
+            model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-256) held out; the
             weight-only fit, the whitened closed form (rotary layers: also the strongest-pairs selection) and, by
             ``effort``, the better one refined layer by layer (``blockwise.py``) are measured on the held-out images
             as they are, by the KL of the outputs to the source's; the best whose win the held-out images resolve
