@@ -269,8 +269,9 @@ def check(results: Path) -> None:
     rows = load_rows(results)
     setting = package_default(rows[0]["images"])
     lines = ["# The pre-registered check of the frozen blockwise default (experiments/blockwise_loso.py check)", "",
-             f"Sources trained after the defaults were frozen; {rows[0]['images']} calibration images, the package's "
-             f"default recipe: {setting.label()}. " + HEADER, "",
+             f"Sources converted only after the defaults were frozen (their seeds fixed beforehand in "
+             f"experiments/sources.sh); {rows[0]['images']} calibration images, the package's default recipe: "
+             f"{setting.label()}. " + HEADER, "",
              *targets(rows, {r["source"]: setting for r in rows})]
     (results / "check.md").write_text("\n".join(lines))
     print((results / "check.md").read_text())
