@@ -7,7 +7,7 @@
 ``grid`` converts one trained Fashion-MNIST source (``experiments/sources.sh``) at key dims D/8 and D/16 with the
 package's calibrated recipe as ``collab-vit convert`` runs it (2048 training images, a seeded draw, blockwise
 refinement of the better start), driving ``RecipeRun``, once per refinement lr (``--lrs``) and count of the guard's
-held-out images (``--holdouts``, out of the 2048; default: the package's, 64), with the refinement's passes
+held-out images (``--holdouts``, out of the 2048; default: the package's, 256), with the refinement's passes
 (``--passes``) read along one run: each layer draws its own minibatches, so a run of fewer steps is the longer one's
 prefix, layer by layer, and a layer whose loss over all the images rose keeps its start, as ``refine_blocks`` does.
 Each JSON (one per key dim, lr and held-out count) holds every candidate's per-image held-out KL (what the guard
@@ -129,7 +129,8 @@ def grid(args: argparse.Namespace) -> None:
     full = layers[0][1].num_heads * layers[0][1].head_dim
     print(f"{args.name}: source top-1 {reference['top1']:.2f}, D {full}{', rotary' if rotary else ''}", flush=True)
     for key_dim, lr, holdout in itertools.product([full // f for f in FRACTIONS], args.lrs, args.holdouts or [None]):
-        path = args.results / args.name / f"k{key_dim}_lr{lr:g}{'' if holdout is None else f'_held{holdout}'}.json"
+        held = args.images - split(args.images, holdout)
+        path = args.results / args.name / f"k{key_dim}_lr{lr:g}_held{held}.json"
         if path.exists():
             continue
         model = copy.deepcopy(source).eval()
