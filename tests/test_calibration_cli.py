@@ -130,3 +130,25 @@ def test_convert_thorough_refines_the_whole_model(tmp_path) -> None:
     assert calibration["effort"] == "thorough" and calibration["refine_steps"] == 20  # ceil(160 x 8 / 64)
     assert calibration["views"] == 8 and calibration["refine_images"] == 64
     assert any(name.endswith("+refine") for name in calibration["candidates"])
+
+
+def test_the_command_holds_out_a_quarter_up_to_256_and_guards_at_the_frozen_confidence(tmp_path) -> None:
+    """The frozen defaults (RESULTS.md (b), issue 40) reach the user through the installed ``collab-vit convert`` in a
+    process of its own (``warmstart``): of 1040 calibration images (a quarter would be 260) 256 are held out, and the
+    guard's verdicts are at the package's confidence."""
+    import os
+    import sys
+
+    import warmstart
+    from collab_vit.conversion.recipe import MAX_HOLDOUT, Recipe
+
+    data = make_image_folder(tmp_path / "data", classes=4, train_per_class=260, val_per_class=1, size=12)
+    out = tmp_path / "k6.safetensors"
+    cli = str(Path(sys.executable).parent / "collab-vit")
+    done = warmstart.run([sys.executable, cli, "convert", "--checkpoint", exported(tmp_path), "--key-dim", "6",
+                          "--out", str(out), "--calibration-data-dir", data, "--calibration-images", "1040",
+                          "--effort", "fast"], tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.code == 0 and "Traceback" not in done.err, done.why()
+    calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
+    assert calibration["images_held_out"] == MAX_HOLDOUT == 256 and calibration["images_fit"] == 1040 - 256
+    assert {v["confidence"] for v in calibration["verdicts"].values()} == {Recipe().confidence}
