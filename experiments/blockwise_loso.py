@@ -155,7 +155,7 @@ def grid(args: argparse.Namespace) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, row)
         shown = " / ".join(f"{s['top1']:.2f}" for s in snaps)
-        print(f"{args.name} k{key_dim} lr {lr:g} held {held_out(row)}: weight {starts['weight']['top1']:.2f}, {base} "
+        print(f"{args.name} k{key_dim} lr {lr:g} held {held}: weight {starts['weight']['top1']:.2f}, {base} "
               f"{starts[base]['top1']:.2f}, refined {shown} at {args.passes} passes, "
               f"{snaps[-1]['seconds']:.0f} s", flush=True)
 
@@ -217,10 +217,10 @@ HEADER = ("Top-1 on the 10k test images, change against the source with a 95 % i
           "whatever the guard kept.")
 
 
-def targets(rows: list[dict], chosen: dict[str, Setting]) -> list[str]:
-    """Each source's cells under the setting ``chosen`` for it, against the issue's targets (a markdown table and a
-    count)."""
-    table = outcomes(rows)
+def targets(rows: list[dict], table: dict[tuple[str, int], dict[Setting, float]], chosen: dict[str, Setting]
+            ) -> list[str]:
+    """Each source's cells (``table``: ``outcomes(rows)``) under the setting ``chosen`` for it, against the issue's
+    targets (a markdown table and a count)."""
     by_cell = {(r["source"], r["key_dim"], r["lr"], held_out(r)): r for r in rows}
     lines = ["| source | top-1 | key dim | setting | weight-only | refined alone | recipe (kept) | vs weight | share | "
              "targets |", "|---|---:|---:|---|---:|---:|---|---:|---:|---|"]
@@ -252,7 +252,7 @@ def report(results: Path) -> None:
     lines = ["# The blockwise default's constants by leave-one-source-out (experiments/blockwise_loso.py)", "",
              f"{len({s for s, _ in table})} sources, key dims D/8 and D/16, {rows[0]['images']} calibration images "
              "(the held-out ones among them); each source's setting chosen without it. " + HEADER, "",
-             f"Chosen on all sources: **{chosen['all'].label()}**.", "", *targets(rows, chosen)]
+             f"Chosen on all sources: **{chosen['all'].label()}**.", "", *targets(rows, table, chosen)]
     (results / "loso.md").write_text("\n".join(lines) + "\n" + sensitivity(table, chosen["all"]))
     plot(table, {(r["source"], r["key_dim"]): r["full"] // r["key_dim"] for r in rows}, chosen["all"],
          results / "loso.png")
@@ -273,7 +273,7 @@ def check(results: Path) -> None:
              f"Sources converted only after the defaults were frozen (their seeds fixed beforehand in "
              f"experiments/sources.sh); {rows[0]['images']} calibration images, the package's default recipe: "
              f"{setting.label()}. " + HEADER, "",
-             *targets(rows, {r["source"]: setting for r in rows})]
+             *targets(rows, outcomes(rows), {r["source"]: setting for r in rows})]
     (results / "check.md").write_text("\n".join(lines))
     print((results / "check.md").read_text())
 
