@@ -115,7 +115,9 @@ def snapshots(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -
     return out
 
 
-def grid(args: argparse.Namespace) -> None:
+def prepared(args: argparse.Namespace) -> tuple:
+    """From ``args`` (``--source``, ``--data-dir``, ``--images``, ``--seed``, ``--threads``): the source in eval mode,
+    its test set, its calibration images, its attention layers, whether they are rotary, and D."""
     torch.set_num_threads(args.threads)
     source, _, _, meta = load_source(None, str(args.source))
     source.eval()
@@ -123,10 +125,14 @@ def grid(args: argparse.Namespace) -> None:
     loader = calibration_loader("torch/fashion_mnist", args.data_dir, "train", args.images, source,
                                 meta.get("data_config"), args.seed)
     images = calibration_images(loader, probe_input_size(source))
-    reference = packed(predictions(source, test))
     layers = timm_attention_layers(source)
     rotary = any(is_rotary(attn, source) for _, attn in layers)
-    full = layers[0][1].num_heads * layers[0][1].head_dim
+    return source, test, images, layers, rotary, layers[0][1].num_heads * layers[0][1].head_dim
+
+
+def grid(args: argparse.Namespace) -> None:
+    source, test, images, layers, rotary, full = prepared(args)
+    reference = packed(predictions(source, test))
     print(f"{args.name}: source top-1 {reference['top1']:.2f}, D {full}{', rotary' if rotary else ''}", flush=True)
     for key_dim, lr, holdout in itertools.product([full // f for f in FRACTIONS], args.lrs, args.holdouts or [None]):
         held = args.images - split(args.images, holdout)
