@@ -209,11 +209,11 @@ def leave_one_out(table: dict[tuple[str, int], dict[Setting, float]]) -> dict[st
     return chosen
 
 
-def paired(row: dict, entry: dict) -> tuple[float, float]:
-    """Top-1 change of ``entry`` against the source and the half-width of its 95 % interval, paired over the test
-    images (normal approximation of the mean of per-image differences in {-1, 0, 1})."""
+def paired(row: dict, entry: dict, against: Optional[dict] = None) -> tuple[float, float]:
+    """Top-1 change of ``entry`` against the source (or ``against``) and the half-width of its 95 % interval, paired
+    over the test images (normal approximation of the mean of per-image differences in {-1, 0, 1})."""
     n = row["test_images"]
-    diff = unpacked(entry, n).astype(float) - unpacked({"right": row["source_right"]}, n).astype(float)
+    diff = unpacked(entry, n).astype(float) - unpacked(against or {"right": row["source_right"]}, n).astype(float)
     return 100.0 * diff.mean(), 100.0 * 1.96 * diff.std(ddof=1) / math.sqrt(n)
 
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 from pathlib import Path
 
 import torch
 
-from blockwise_loso import packed, predictions, prepared, unpacked
+from blockwise_loso import FRACTIONS, packed, paired, predictions, prepared
 from runner import ROOT, git_commit, machine, write_json
 
 from collab_vit.conversion.blockwise import refine_blocks, source_outputs
@@ -33,9 +32,6 @@ from collab_vit.conversion.recipe import (DEFAULT_IMAGES, STANDARD, Candidate, R
                                          refine_steps)
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.conversion.rotary_fit import ROTARY
-
-FRACTIONS = (8, 16)
-
 
 class Fixed(torch.nn.Module):
     """Stands in for a source layer in ``refine_blocks``: its outputs are the source layer's on the source's tokens
@@ -127,13 +123,6 @@ def run_source(args: argparse.Namespace) -> None:
               f"{row['local']['alone']['top1']:.2f} kept {row['local']['top1']:.2f}", flush=True)
 
 
-def change(row: dict, entry: dict, against: dict) -> tuple[float, float]:
-    """Top-1 of ``entry`` minus ``against``'s, with the half-width of a 95 % interval paired over the test images."""
-    n = row["test_images"]
-    diff = unpacked(entry, n).astype(float) - unpacked(against, n).astype(float)
-    return 100.0 * diff.mean(), 100.0 * 1.96 * diff.std(ddof=1) / math.sqrt(n)
-
-
 VARIANTS = ("blocks", "sequential", "local")
 
 
@@ -147,12 +136,11 @@ def table(results: Path) -> str:
              "|---|---:|---:|---|---:|---:|---|---|---|"]
     for path in sorted(results.glob("*/k*.json")):
         row = json.loads(path.read_text())
-        src = {"right": row["source_right"]}
-        weight = change(row, row["starts"]["weight"], src)[0]
-        alone = " / ".join(f"{change(row, row[v]['alone'], src)[0]:+.2f}" for v in VARIANTS)
-        diffs = " | ".join("{:+.2f} ± {:.2f}".format(*change(row, row[v]["alone"], row["blocks"]["alone"]))
+        weight = paired(row, row["starts"]["weight"])[0]
+        alone = " / ".join(f"{paired(row, row[v]['alone'])[0]:+.2f}" for v in VARIANTS)
+        diffs = " | ".join("{:+.2f} ± {:.2f}".format(*paired(row, row[v]["alone"], row["blocks"]["alone"]))
                            for v in VARIANTS[1:])
-        kept = {v: change(row, row[v], src)[0] for v in VARIANTS}
+        kept = {v: paired(row, row[v])[0] for v in VARIANTS}
         shares = " / ".join(f"{kept[v] / weight:.2f}" for v in VARIANTS) if weight <= -0.5 else "—"
         low = min(VARIANTS, key=lambda v: row[v]["held_kl"])
         low_share = f" ({kept[low] / weight:.2f})" if weight <= -0.5 else ""

@@ -12,11 +12,11 @@ from test_experiments import run, tiny_fashion_mnist  # noqa: F401  (the fixture
 pytestmark = pytest.mark.timeout(900)
 
 
-def tiny_source(tmp_path) -> str:
-    """A random-weight 1-block DeiT at 28 px, exported as the experiments read their sources."""
-    kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=1, embed_dim=16, num_heads=2, num_classes=10)
+def tiny_source(tmp_path, depth: int = 1) -> str:
+    """A random-weight DeiT of ``depth`` blocks at 28 px, exported as the experiments read their sources."""
+    kwargs = dict(img_size=28, patch_size=7, in_chans=1, depth=depth, embed_dim=16, num_heads=2, num_classes=10)
     torch.manual_seed(0)
-    source = tmp_path / 'source.safetensors'
+    source = tmp_path / ('source.safetensors' if depth == 1 else f'source_d{depth}.safetensors')
     export_safetensors(timm.create_model('deit_tiny_patch16_224', **kwargs).state_dict(), str(source),
                        'deit_tiny_patch16_224', kwargs,
                        {'data_config': {'input_size': [1, 28, 28], 'mean': [0.286], 'std': [0.353], 'crop_pct': 1.0,

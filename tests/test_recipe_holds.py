@@ -57,14 +57,14 @@ def copy_rows(results, name: str, other: str) -> None:
         (results / other / path.name).write_text(text)
 
 
-def sharp_source(tmp_path) -> str:
-    """The experiments' tiny random source with weights large enough that its outputs are far from uniform (the KLs
-    the recipe compares are then well above round-off)."""
+def sharp_source(tmp_path, depth: int = 1) -> str:
+    """The experiments' tiny random source (``depth`` blocks) with weights large enough that its outputs are far from
+    uniform (the KLs the recipe compares are then well above round-off)."""
     from safetensors.torch import load_file, save_file
-    path = tiny_source(tmp_path)
+    path = tiny_source(tmp_path, depth)
     weights = load_file(str(path))
     generator = torch.Generator().manual_seed(0)
-    for name in ('blocks.0.attn.qkv.weight', 'head.weight'):
+    for name in (*(f'blocks.{b}.attn.qkv.weight' for b in range(depth)), 'head.weight'):
         weights[name] = torch.randn(weights[name].shape, generator=generator)
     from safetensors import safe_open
     with safe_open(str(path), 'pt') as f:
