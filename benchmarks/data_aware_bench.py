@@ -2,6 +2,7 @@
 
     python benchmarks/data_aware_bench.py                                  # DeiT-B, key dim 384, CPU
     python benchmarks/data_aware_bench.py --device cuda                    # the same on a GPU (bfloat16 capture)
+    python benchmarks/data_aware_bench.py --device cuda --measure-default  # and the default effort, run and timed
     python benchmarks/data_aware_bench.py --model deit_tiny_patch16_224 --images 8 --key-dim 96 --refine-steps 1
 
 Rows: the weight-only conversion; the recipe at ``effort="fast"`` with ``--images`` calibration images (token capture
@@ -45,6 +46,8 @@ def main() -> None:
     p.add_argument("--key-dim", type=int, default=384)
     p.add_argument("--refine-steps", type=int, default=4, help="steps timed for the refinement's cost per step")
     p.add_argument("--device", default="cpu", help="where the forward passes and the refinement run (cpu, cuda)")
+    p.add_argument("--measure-default", action="store_true",
+                   help="also run the default effort on --default-images images and time it (a GPU job on DeiT-B)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the tokens in bfloat16 (default: on CUDA only, as collab-vit convert)")
     args = p.parse_args()
@@ -86,6 +89,14 @@ def main() -> None:
           f"{summary['capture_seconds']:.1f} | {kls} | {fast / weight_only:.2f} |")
     print(f"| recipe, effort default, {args.default_images} images ({steps} steps per layer), projected | "
           f"{projected:.0f} | {capture * args.default_images:.0f} | | {projected / weight_only:.1f} |")
+    if args.measure_default:
+        many = torch.randn(args.default_images, *source.pretrained_cfg["input_size"],
+                           generator=torch.Generator().manual_seed(2))
+        measured, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", many, "default",
+                                                       0, False, recipe))
+        kept = report.summary["chosen"]
+        print(f"| recipe, effort default, {args.default_images} images, measured | {measured:.0f} | "
+              f"{report.summary['capture_seconds']:.0f} | kept {kept} | {measured / weight_only:.1f} |")
     print(f"\ncapture {capture:.3f} s per image; tokens and {recipe.samples} sensitivities {per_image:.3f} s per image; "
           f"one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); the cached "
           f"tokens and sensitivities of {fit} fitting images: {tokens / 2**30:.1f} GiB")
