@@ -147,6 +147,32 @@ def table(results: Path) -> str:
         lines.append(f"| {row['source']} | {row['key_dim']} | {weight:+.2f} | {alone} | {diffs} | "
                      + " / ".join(f"{kept[v]:+.2f} ({row[v]['kept']})" for v in VARIANTS)
                      + f" | {shares} | {low} {kept[low]:+.2f}{low_share} |")
+    return "\n".join(lines) + "\n\n" + offered(results) + "\n"
+
+
+OFFERS = (("blocks",), ("local",), ("sequential",), ("blocks", "local"), ("blocks", "sequential"), VARIANTS)
+
+
+def offered(results: Path) -> str:
+    """Per set of refinements a guard would be offered (the one of lowest held-out KL kept, as in ``table``): the
+    cells at the smallest key dim where weight-only loses at least 0.5 in which at most half of its drop is left, and
+    the worst kept change against weight-only over every cell."""
+    rows = [json.loads(p.read_text()) for p in sorted(results.glob("*/k*.json"))]
+    smallest = {}
+    for row in rows:
+        smallest[row["source"]] = min(smallest.get(row["source"], row["key_dim"]), row["key_dim"])
+    lines = ["| offered | half of weight-only's D/16 drop | worst vs weight-only |", "|---|---:|---:|"]
+    for offer in OFFERS:
+        met = cells = 0
+        worst = float("inf")
+        for row in rows:
+            weight = paired(row, row["starts"]["weight"])[0]
+            kept = paired(row, row[min(offer, key=lambda v: row[v]["held_kl"])])[0]
+            worst = min(worst, kept - weight)
+            if row["key_dim"] == smallest[row["source"]] and weight <= -0.5:
+                cells += 1
+                met += kept / weight <= 0.5
+        lines.append(f"| {' + '.join(offer)} | {met} of {cells} | {worst:+.2f} |")
     return "\n".join(lines) + "\n"
 
 
