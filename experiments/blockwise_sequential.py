@@ -147,7 +147,7 @@ def table(results: Path) -> str:
         lines.append(f"| {row['source']} | {row['key_dim']} | {weight:+.2f} | {alone} | {diffs} | "
                      + " / ".join(f"{kept[v]:+.2f} ({row[v]['kept']})" for v in VARIANTS)
                      + f" | {shares} | {low} {kept[low]:+.2f}{low_share} |")
-    return "\n".join(lines) + "\n\n" + offered(results) + "\n"
+    return "\n".join(lines) + "\n\n" + offered(results)
 
 
 OFFERS = (("blocks",), ("local",), ("sequential",), ("blocks", "local"), ("blocks", "sequential"), VARIANTS)
