@@ -2,7 +2,8 @@
 # RESULTS.md (b), issue 40 item 3: the Fashion-MNIST sources the recipe's constants are chosen on (leave one source
 # out) and the pre-registered ones, each `train.py -c <config> --seed N` into runs/sources/<name> (skipped when its
 # model.safetensors exists). SET=loso (default): the ten sources; SET=preregistered: the three trained after the
-# frozen defaults were written; ONLY="a b": those of the set alone. Two threads each, one run at a time (e5: ~9 min,
+# frozen defaults were written; SET=converted: the three trained after the converted-token refinement was frozen;
+# ONLY="a b": those of the set alone. Two threads each, one run at a time (e5: ~9 min,
 # e15: ~27 min on the 2-core CPU).
 #   SET=loso PYTHON=.venv/bin/python bash experiments/sources.sh
 set -euo pipefail
@@ -26,4 +27,6 @@ loso)
     train e15-s1 standard_long 1; train e15-s0 standard_long 0; train e15-s2 standard_long 2 ;;
 preregistered)
     train e5-s5 standard 5; train e5-s6 standard 6; train rope-e5-s7 rope_long 7 --epochs 5 ;;
+converted)  # the three trained after the refinement on the converted model's tokens was frozen (RESULTS.md (b))
+    train e5-s8 standard 8; train e5-s9 standard 9; train rope-e5-s10 rope_long 10 --epochs 5 ;;
 esac

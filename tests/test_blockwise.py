@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import layer_inputs, mean_loss, refine_blocks, source_outputs
+from collab_vit.conversion.blockwise import converted_calls, layer_inputs, mean_loss, refine_blocks, source_outputs
 from collab_vit.conversion.fit import fit_attention
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.conversion.rotary_fit import fit_rotary
@@ -198,3 +198,35 @@ def test_the_lost_plain_loss_is_refused() -> None:
     model = small("deit_tiny_patch16_224")
     with pytest.raises(ValueError, match="samples"):
         layer_inputs(model, [model.blocks[0].attn], torch.randn(2, 3, 32, 32), 2, 0)
+
+
+def test_each_layer_is_refined_on_the_tokens_the_refined_layers_before_it_give() -> None:
+    """``converted_calls``: the first layer reads the source's tokens, the second what the model gives it with the
+    first converted and refined (not the source's tokens), each read after the layer before it was refined; the
+    recipe's blockwise refinement is that, rope included."""
+    for name, fit in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker")),
+                      ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8))):
+        model = small(name)
+        images = torch.randn(24, 3, 32, 32)
+        sources = [block.attn for block in model.blocks]
+        calls = layer_inputs(model, sources, images, 16, 2)
+        layers = [fit(a).layer for a in sources]
+        for block, layer in zip(model.blocks, layers):
+            block.attn = layer
+        seen = []
+
+        def spy():
+            for call in converted_calls(model, layers, calls, images, 16):
+                seen.append(call)
+                yield call
+
+        refine_blocks(sources, layers, spy(), 5, 1e-2, 8, 0, False)
+        reached = []
+        handle = layers[1].register_forward_pre_hook(lambda m, a: reached.append(a[0]))
+        with torch.no_grad():
+            model(images)
+        handle.remove()
+        assert seen[0] is calls[0]
+        assert torch.equal(seen[1][0], reached[0])  # the model's tokens with the refined first layer
+        assert not torch.allclose(seen[1][0], calls[1][0], atol=1e-3)
+        assert all(torch.equal(a, b) for a, b in zip(seen[1][3:], calls[1][3:]))  # the source's sensitivities

@@ -1,21 +1,23 @@
-"""Blockwise refinement: each converted layer trained on its own output, from the source's tokens cached once.
+"""Blockwise refinement: each converted layer trained on its own output, first to last, on the converted model's tokens.
 
 One pass of the source over the fitting images records what every attention layer receives (its tokens and its
 other arguments, e.g. the rope of a rotary model) and, for ``samples`` classes drawn per image from the source's own
 prediction, the sensitivity of the drawn class's log-probability to that layer's output (``layer_inputs``). Each
-converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, Adam on seeded minibatches, on
+converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, first layer first, Adam on seeded minibatches, on
 ``sum_images mean_classes (g . (y~ - y))^2``: the Fisher form of the output KL that the layer's output error causes,
 to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was
-removed: RESULTS.md (b)). A step costs one attention layer's forward and backward on the minibatch, not the whole
-model's (``refine.refine_logits``); the tokens and sensitivities are held in host memory (``(1 + samples) x images x
-tokens x D x layers`` floats: ``cache_bytes`` estimates them from one image before the recipe starts, and the first
-batch's measured size is checked again). As in ``refine_logits``, a layer whose mean loss over
-all the images rose keeps its starting weights.
+removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
+and refined (``converted_calls``: a forward pass stopped at the layer), so a layer learns on the inputs it will get;
+on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
+backward on the minibatch, not the whole model's (``refine.refine_logits``); the tokens and sensitivities are held in
+host memory (``(1 + samples) x images x tokens x D x layers`` floats: ``cache_bytes`` estimates them from one image
+before the recipe starts, and the first batch's measured size is checked again). As in ``refine_logits``, a layer
+whose mean loss over all the images rose keeps its starting weights.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -139,11 +141,49 @@ def source_outputs(source: nn.Module, call: Call, batch_size: int, device: torch
                       for s in range(0, x.shape[0], batch_size)])
 
 
-def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: list[Call], steps: int, lr: float = 1e-3,
+class _Reached(Exception):
+    """Stops a forward pass at the layer whose input was read (``tokens_at``)."""
+
+
+@torch.no_grad()
+def tokens_at(model: nn.Module, layer: nn.Module, images: Tensor, batch_size: int) -> Tensor:
+    """What ``layer`` (a module of ``model``) receives on ``images`` from the model as it is now, batch by batch, each
+    forward pass stopped there (on the CPU, float32 at least)."""
+    seen: list[Tensor] = []
+
+    def record(module: nn.Module, args: tuple) -> None:
+        seen.append(_kept(args[0].detach()))
+        raise _Reached
+
+    handle = layer.register_forward_pre_hook(record)
+    device = next(model.parameters()).device
+    try:
+        for chunk in images.split(batch_size):
+            try:
+                model(chunk.to(device))
+            except _Reached:
+                pass
+    finally:
+        handle.remove()
+    return torch.cat(seen)
+
+
+def converted_calls(model: nn.Module, layers: list[nn.Module], calls: list[Call], images: Tensor, batch_size: int
+                    ) -> Iterator[Call]:
+    """``calls`` (the source's: ``layer_inputs``) with each layer's tokens read from ``model`` (``layers`` installed
+    in it) when the refinement asks for that layer's, after the layers before it were refined (the first layer's:
+    the source's). The sensitivities stay the source's."""
+    for index, (layer, call) in enumerate(zip(layers, calls)):
+        yield call if index == 0 else (tokens_at(model, layer, images, batch_size), *call[1:])
+
+
+def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: Iterable[Call], steps: int,
+                  lr: float = 1e-3,
                   batch_size: int = 64, seed: int = 0, progress: bool = True,
                   on_step: Optional[Callable[[int, int], None]] = None) -> RefineResult:
     """``steps`` Adam steps per layer on each converted layer's ``W~q, W~k, M`` so that ``layers[l](tokens)`` matches
-    ``sources[l](tokens)`` on the cached ``calls`` (``layer_inputs``; module docstring). Each layer draws its
+    ``sources[l](tokens)`` on ``calls`` (``layer_inputs`` or ``converted_calls``, read one layer at a time; module
+    docstring). Each layer draws its
     minibatches from its own generator (``seed + l``), so a run of fewer steps is a prefix of a longer one, layer by
     layer; ``on_step(l, step)`` is called after each step. Returns the summed per-layer losses (before and after:
     over all the images; per step: the minibatch's)."""

@@ -37,7 +37,7 @@ from .decompose import energy_spectrum, relative_error
 from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
 from .guard import Verdict, held_out_split, judge
-from .blockwise import cache_bytes, check_memory, layer_inputs, refine_blocks
+from .blockwise import cache_bytes, check_memory, converted_calls, layer_inputs, refine_blocks
 from .refine import per_image_kl, refine_logits
 from .views import augmented_views, check_kind
 
@@ -302,13 +302,18 @@ class RecipeRun:
     def blockwise(self, base: Candidate, steps: int, on_step: Optional[Callable[[nn.Module, int, int], None]] = None
                   ) -> Candidate:
         """``base`` refined layer by layer (``blockwise.refine_blocks``: each layer's output error in the Fisher form
-        of the source's output KL, from the source's tokens and sensitivities on the refinement's inputs, read once),
-        a copy, measured; ``on_step(layer, l, step)`` after each step of layer ``l`` (the experiments' snapshots)."""
+        of the source's output KL, with the source's sensitivities on the refinement's inputs, read once, on the
+        tokens the layers refined before it give: ``converted_calls``), a copy, measured; ``on_step(layer, l, step)``
+        after each step of layer ``l`` (the experiments' snapshots)."""
+        calls = self.cached_calls()
         fits = copies(base.fits)
+        self.install(fits)
         r = self.recipe
         layers = [f.layer for f in fits]
-        result = refine_blocks(self.originals, layers, self.cached_calls(), steps, r.refine_lr, r.batch_size, self.seed,
-                               self.progress, on_step and (lambda index, step: on_step(layers[index], index, step)))
+        result = refine_blocks(self.originals, layers,
+                               converted_calls(self.model, layers, calls, self.source.inputs, r.batch_size), steps,
+                               r.refine_lr, r.batch_size, self.seed, self.progress,
+                               on_step and (lambda index, step: on_step(layers[index], index, step)))
         self.tensor_errors(fits)
         return self.measure(Candidate(f"{base.name}+blocks", fits, refine={
             "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "samples": r.samples,
