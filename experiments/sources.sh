@@ -3,6 +3,7 @@
 # out) and the pre-registered ones, each `train.py -c <config> --seed N` into runs/sources/<name> (skipped when its
 # model.safetensors exists). SET=loso (default): the ten sources; SET=preregistered: the three trained after the
 # frozen defaults were written; SET=converted: the three trained after the converted-token refinement was frozen;
+# SET=registered: the three pre-registered after it was committed;
 # ONLY="a b": those of the set alone. Two threads each, one run at a time (e5: ~9 min,
 # e15: ~27 min on the 2-core CPU).
 #   SET=loso PYTHON=.venv/bin/python bash experiments/sources.sh
@@ -29,4 +30,6 @@ preregistered)
     train e5-s5 standard 5; train e5-s6 standard 6; train rope-e5-s7 rope_long 7 --epochs 5 ;;
 converted)  # the three trained after the refinement on the converted model's tokens was frozen (RESULTS.md (b))
     train e5-s8 standard 8; train e5-s9 standard 9; train rope-e5-s10 rope_long 10 --epochs 5 ;;
+registered)  # pre-registered after commit 7252e47 (RESULTS.md (b)), before any was trained
+    train e5-s11 standard 11; train e5-s12 standard 12; train rope-e5-s13 rope_long 13 --epochs 5 ;;
 esac
