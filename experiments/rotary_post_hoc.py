@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
-from data_aware import test_set, top1
+from data_aware import test_set
+from blockwise_loso import packed, paired, predictions
 
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion import rotary_fit
@@ -116,7 +117,8 @@ def run_cell(source: torch.nn.Module, key_dim: int, variant: str, calibration: t
     row = {"variant": variant, "key_dim": key_dim,
            "images": calibration.shape[0] if variant.startswith("recipe") else 0,
            "key_dims": [x["key_dim"] for x in layers], "tensor_error": fmean(x["tensor_error"] for x in layers),
-           "top1": top1(model, *test), "top1_source": args.top1_source, "seconds": round(seconds, 2),
+           **packed(predictions(model, test)), "top1_source": args.top1_source, "source_right": args.source_right,
+           "test_images": int(test[1].numel()), "seconds": round(seconds, 2),
            "per_layer": layers, "summary": summary, "commit": git_commit(), "machine": machine()}
     write_json(path, row)
     if key_dim in args.save and variant in ("select", "weight", "recipe"):
@@ -125,6 +127,24 @@ def run_cell(source: torch.nn.Module, key_dim: int, variant: str, calibration: t
           f"{row['tensor_error']:.3f}, {seconds:.1f} s" + (f", kept {summary['chosen']}" if "chosen" in summary
                                                            else ""), flush=True)
     return row
+
+
+def selection_table(folders: list[Path]) -> str:
+    """Issue 40 item 4 across rotary sources (one ``--results`` folder each, cells with per-image predictions): per
+    source and q/k dims, the selection, the weight-only conversion and the recipe (kept candidate) against the
+    source, and the recipe minus the selection, each with its 95 % interval paired over the test images."""
+    lines = ["| source | q/k dims | select | weight-only | recipe (kept) | recipe - select |",
+             "|---|---:|---:|---:|---|---:|"]
+    for folder in folders:
+        for path in sorted(folder.glob("recipe_k*.json"), key=lambda p: -int(p.stem.split("_k")[1])):
+            cells = {v: json.loads((folder / f"{v}_k{path.stem.split('_k')[1]}.json").read_text())
+                     for v in ("select", "weight", "recipe")}
+            row = cells["select"]
+            shown = {v: "{:+.2f} ± {:.2f}".format(*paired(row, c)) for v, c in cells.items()}
+            lines.append(f"| {folder.name} | {cells['recipe']['key_dim']} | {shown['select']} | {shown['weight']} | "
+                         f"{shown['recipe']} ({cells['recipe']['summary']['chosen']}) | "
+                         + "{:+.2f} ± {:.2f} |".format(*paired(row, cells["recipe"], cells["select"])))
+    return "\n".join(lines) + "\n"
 
 
 def save(model: torch.nn.Module, variant: str, key_dim: int, args: argparse.Namespace) -> None:
@@ -287,7 +307,9 @@ def energy_report(trained: torch.nn.Module, init: torch.nn.Module, path: Path) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", type=Path, required=True, help="the trained rotary model (.safetensors or checkpoint)")
+    p.add_argument("--source", type=Path, help="the trained rotary model (.safetensors or checkpoint)")
+    p.add_argument("--selection-table", nargs="+", type=Path, metavar="FOLDER",
+                   help="instead: the recipe against the selection over these --results folders (issue 40 item 4)")
     p.add_argument("--config", default=str(ROOT / "configs" / "fmnist" / "rope_long.yaml"))
     p.add_argument("--data-dir", default="data")
     p.add_argument("--results", type=Path, default=ROOT / "results" / "rotary_post_hoc")
@@ -298,6 +320,11 @@ def main() -> None:
     p.add_argument("--save", nargs="*", type=int, default=[], help="q/k dims whose models are kept for the fine-tune")
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "rotary_post_hoc")
     args = p.parse_args()
+    if args.selection_table:
+        print(selection_table(args.selection_table), end="")
+        return
+    if args.source is None:
+        p.error("--source is required (or --selection-table)")
     torch.set_num_threads(1)
     args.results.mkdir(parents=True, exist_ok=True)
     source, meta = load(args.source, args.config)
@@ -306,7 +333,8 @@ def main() -> None:
     (args.results / "energy.md").write_text(energy_report(source, load(None, args.config)[0],
                                                           args.results / "energy.png"))
     test = test_set(args.data_dir, source, meta)
-    args.top1_source = top1(source, *test)
+    reference = packed(predictions(source, test))
+    args.top1_source, args.source_right = reference["top1"], reference["right"]
     print(f"source top-1 {args.top1_source:.2f}", flush=True)
     loader = calibration_loader("torch/fashion_mnist", args.data_dir, "train", args.images, source,
                                 meta.get("data_config"), args.seed)

@@ -128,3 +128,12 @@ def test_rotary_post_hoc(tiny_fashion_mnist, tmp_path):
     assert (results / 'table.md').read_text().count('| 16 |') == 2
     assert 'tensorly parafac' in (results / 'methods.md').read_text()
     assert all((results / png).stat().st_size > 10_000 for png in ('top1_vs_key_dim.png', 'energy.png'))
+    # item 4's table over sources: the recipe against the selection, paired over the test images
+    last = run('rotary_post_hoc.py', '--selection-table', results).splitlines()[-1]
+    recipe = json.loads((results / 'recipe_k16.json').read_text())
+    cells = [c.strip() for c in last.strip('|').split('|')]
+    assert cells[:2] == ['rotary', '16'] and cells[4].endswith(f"({recipe['summary']['chosen']})")
+    for cell, (entry, against) in zip([cells[2], cells[5]], [(select['top1'], select['top1_source']),
+                                                             (recipe['top1'], select['top1'])]):
+        change, half = map(float, cell.split(' ± '))
+        assert abs(change - (entry - against)) <= 0.005 + 1e-9 and half > 0 or entry == against
