@@ -9,12 +9,13 @@ Rows: the weight-only conversion; the recipe at ``effort="fast"`` with ``--image
 in bfloat16 as ``Recipe(amp=True)`` with ``--amp``, the default on CUDA as in ``collab-vit convert``; both fits
 measured on the held-out images); then the default effort's parts, timed on one batch: the pass that reads every
 layer's tokens and output sensitivities (``blockwise.layer_inputs``, ``Recipe.samples`` classes per image), per image,
-one layer's refinement step (batch 64, the last layer), and a forward pass stopped at the last layer
-(``blockwise.tokens_at``), per image. From them the default effort's projected total at ``--default-images`` (the
-command's default): the fast run's fits and measures, the capture and the sensitivities of that many images, the
-converted model's tokens read before each layer's refinement (layer ``l`` of ``L``: about ``l / (L - 1)`` of the
-stopped pass; ``L / 2`` such passes in all), the default's steps for every layer, and the memory the cached tokens
-and sensitivities take. Random weights and images (the cost does not depend on them). Prints a Markdown table;
+one layer's refinement step (batch 64, the last layer), and one block's pass (``blockwise.replay`` of the last
+block), per image. From them the default effort's projected total at ``--default-images`` (the command's default):
+the fast run's fits and measures, the capture and the sensitivities of that many images, the converted model's
+tokens read before each layer's refinement (``blockwise.converted_calls``: the block before it replayed over the
+fitting images, plus a checking batch of 64 stopped at the layer: ``(L - 1)`` block passes per image and
+``L (L - 1) / 2`` per checking image), the default's steps for every layer, and the memory the cached tokens and
+sensitivities take. Random weights and images (the cost does not depend on them). Prints a Markdown table;
 take the numbers on a
 quiet machine.
 """
@@ -28,7 +29,7 @@ import time
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import layer_inputs, refine_blocks, tokens_at
+from collab_vit.conversion.blockwise import enclosing, inputs_at, layer_inputs, refine_blocks, replay
 from collab_vit.conversion.recipe import DEFAULT_IMAGES, Recipe, refine_steps, split
 from collab_vit.conversion.reparam import convert_model, timm_attention_layers
 
@@ -77,12 +78,16 @@ def main() -> None:
     step, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, args.refine_steps, progress=False))
     none, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, 0, progress=False))
     per_step = (step - none) / args.refine_steps
-    reach, _ = timed(lambda: tokens_at(model, layer, batch, 16))
+    block = enclosing(model, layer)
+    inputs = inputs_at(model, block, batch, 16)
+    reach, _ = timed(lambda: replay(block, inputs, 16))
     reach /= batch.shape[0]
     fit = split(args.default_images, None)
     steps = refine_steps(recipe, "blocks", fit)
+    depth = len(originals)
+    blocks = reach * (fit * (depth - 1) + min(recipe.batch_size, fit) * depth * (depth - 1) / 2)
     projected = (fast - summary["capture_seconds"]) + capture * args.default_images + per_image * fit \
-        + reach * fit * len(originals) / 2 + steps * len(originals) * per_step
+        + blocks + steps * depth * per_step
     tokens = calls[-1][0][0].numel() * 4 * len(originals) * fit * (1 + recipe.samples)
     print(f"{args.model}, key dim {args.key_dim}; {platform.machine()}, {args.device}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
@@ -103,8 +108,8 @@ def main() -> None:
         print(f"| recipe, effort default, {args.default_images} images, measured | {measured:.0f} | "
               f"{report.summary['capture_seconds']:.0f} | kept {kept} | {measured / weight_only:.1f} |")
     print(f"\ncapture {capture:.3f} s per image; tokens and {recipe.samples} sensitivities {per_image:.3f} s per image; "
-          f"one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); a forward pass "
-          f"stopped at the last layer {reach:.3f} s per image; the cached "
+          f"one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); one block's pass "
+          f"{reach:.4f} s per image ({blocks:.0f} s for the converted tokens of every layer); the cached "
           f"tokens and sensitivities of {fit} fitting images: {tokens / 2**30:.1f} GiB")
 
 

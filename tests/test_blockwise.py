@@ -8,7 +8,8 @@ import pytest
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import converted_calls, layer_inputs, mean_loss, refine_blocks, source_outputs
+from collab_vit.conversion.blockwise import (converted_calls, layer_inputs, mean_loss, refine_blocks, source_outputs,
+                                             tokens_at)
 from collab_vit.conversion.fit import fit_attention
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.conversion.rotary_fit import fit_rotary
@@ -230,3 +231,41 @@ def test_each_layer_is_refined_on_the_tokens_the_refined_layers_before_it_give()
         assert torch.equal(seen[1][0], reached[0])  # the model's tokens with the refined first layer
         assert not torch.allclose(seen[1][0], calls[1][0], atol=1e-3)
         assert all(torch.equal(a, b) for a, b in zip(seen[1][3:], calls[1][3:]))  # the source's sensitivities
+
+
+class _Half(torch.nn.Module):
+    """Something a model does between two blocks (halves the tokens)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x
+
+
+def test_converted_tokens_are_carried_block_to_block_as_a_stopped_pass_reads_them() -> None:
+    """``converted_calls`` reads each layer's tokens by running the block before it once over the images (block 0
+    crosses each image once, plus one checking batch per layer), and they are the stopped pass's to the bit, rope
+    included; where the model does more between two blocks, the stopped passes read them from there on."""
+    for name, fit, between in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker"), False),
+                               ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8), False),
+                               ("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker"), True)):
+        torch.manual_seed(0)
+        model = timm.create_model(name, **{**SMALL, "depth": 5}).eval()
+        sources = [block.attn for block in model.blocks]
+        images = torch.randn(28, 3, 32, 32)  # 4 batches of 8, the last of 4
+        calls = layer_inputs(model, sources, images, 8, 1)
+        layers = [fit(a).layer for a in sources]
+        for block, layer in zip(model.blocks, layers):
+            block.attn = layer
+        if between:
+            model.blocks = torch.nn.Sequential(*model.blocks[:3], _Half(), *model.blocks[3:])
+        crossed = []  # the images each block call completes
+        handles = [b.register_forward_hook(lambda m, a, out: crossed.append(a[0].shape[0])) for b in model.blocks]
+        for index, call in enumerate(converted_calls(model, layers, calls, images, 8)):
+            counted = len(crossed)
+            assert torch.equal(call[0], tokens_at(model, layers[index], images, 8)), (name, between, index)
+            del crossed[counted:]
+            with torch.no_grad():
+                layers[index].mixing.mul_(1.1)  # as if refined: the next layer's tokens change
+        for handle in handles:
+            handle.remove()
+        if not between:  # blocks 0-3 replayed once each; the checking batch of layer l crosses blocks 0 to l - 1
+            assert sum(crossed) == 4 * 28 + (1 + 2 + 3 + 4) * 8  # stopped passes: (1 + 2 + 3 + 4) * 28

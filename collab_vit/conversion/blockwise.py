@@ -7,7 +7,7 @@ converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, first layer fi
 ``sum_images mean_classes (g . (y~ - y))^2``: the Fisher form of the output KL that the layer's output error causes,
 to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was
 removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
-and refined (``converted_calls``: a forward pass stopped at the layer), so a layer learns on the inputs it will get;
+and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
 backward on the minibatch, not the whole model's (``refine.refine_logits``); the tokens and sensitivities are held in
 host memory (``(1 + samples) x images x tokens x D x layers`` floats: ``cache_bytes`` estimates them from one image
@@ -146,16 +146,18 @@ class _Reached(Exception):
 
 
 @torch.no_grad()
-def tokens_at(model: nn.Module, layer: nn.Module, images: Tensor, batch_size: int) -> Tensor:
-    """What ``layer`` (a module of ``model``) receives on ``images`` from the model as it is now, batch by batch, each
-    forward pass stopped there (on the CPU, float32 at least)."""
+def inputs_at(model: nn.Module, module: nn.Module, images: Tensor, batch_size: int) -> tuple[Tensor, tuple, dict]:
+    """What ``module`` (of ``model``) receives on ``images`` from the model as it is now, batch by batch, each forward
+    pass stopped there: its first argument (on the CPU, float32 at least) and the first call's other arguments."""
     seen: list[Tensor] = []
+    rest: list[tuple[tuple, dict]] = []
 
-    def record(module: nn.Module, args: tuple) -> None:
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
         seen.append(_kept(args[0].detach()))
+        rest.append((args[1:], dict(kwargs)))
         raise _Reached
 
-    handle = layer.register_forward_pre_hook(record)
+    handle = module.register_forward_pre_hook(record, with_kwargs=True)
     device = next(model.parameters()).device
     try:
         for chunk in images.split(batch_size):
@@ -165,16 +167,72 @@ def tokens_at(model: nn.Module, layer: nn.Module, images: Tensor, batch_size: in
                 pass
     finally:
         handle.remove()
-    return torch.cat(seen)
+    return torch.cat(seen), *rest[0]
+
+
+def tokens_at(model: nn.Module, layer: nn.Module, images: Tensor, batch_size: int) -> Tensor:
+    """What ``layer`` receives on ``images`` from the model as it is now (``inputs_at``'s tokens)."""
+    return inputs_at(model, layer, images, batch_size)[0]
+
+
+@torch.no_grad()
+def replay(block: nn.Module, inputs: tuple[Tensor, tuple, dict], batch_size: int,
+           stop: Optional[nn.Module] = None) -> Tensor:
+    """``block`` called on ``inputs`` (``inputs_at``'s) batch by batch: its outputs, or with ``stop`` (a module inside
+    it) what ``stop`` receives (on the CPU, float32 at least)."""
+    x, args, kwargs = inputs
+    device = next(block.parameters()).device
+    out: list[Tensor] = []
+
+    def record(module: nn.Module, args: tuple) -> None:
+        out.append(_kept(args[0].detach()))
+        raise _Reached
+
+    handle = None if stop is None else stop.register_forward_pre_hook(record)
+    try:
+        for s in range(0, x.shape[0], batch_size):
+            try:
+                out.append(_kept(block(x[s:s + batch_size].to(device), *args, **kwargs)))
+            except _Reached:
+                pass
+    finally:
+        if handle is not None:
+            handle.remove()
+    return torch.cat(out)
+
+
+def enclosing(model: nn.Module, layer: nn.Module) -> nn.Module:
+    """The module holding ``layer`` (its parent in ``model``: a transformer block)."""
+    name = next(n for n, m in model.named_modules() if m is layer)
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 def converted_calls(model: nn.Module, layers: list[nn.Module], calls: list[Call], images: Tensor, batch_size: int
                     ) -> Iterator[Call]:
     """``calls`` (the source's: ``layer_inputs``) with each layer's tokens read from ``model`` (``layers`` installed
     in it) when the refinement asks for that layer's, after the layers before it were refined (the first layer's:
-    the source's). The sensitivities stay the source's."""
+    the source's). The sensitivities stay the source's.
+
+    The tokens are what a forward pass of the model stopped at the layer gives (``tokens_at``), computed block by
+    block: the inputs of the block holding layer ``l`` are the outputs of the one holding layer ``l - 1`` on its own
+    inputs (``replay``), so each image crosses each block once in all instead of about ``L / 2`` model passes. Where
+    the model does more between two blocks than hand one's output to the next (checked on the first batch against a
+    stopped pass, to the bit), the rest are read by stopped passes."""
+    blocks = [enclosing(model, layer) for layer in layers]
+    carried: Optional[tuple[Tensor, tuple, dict]] = None  # the inputs of blocks[index - 1], all images
     for index, (layer, call) in enumerate(zip(layers, calls)):
-        yield call if index == 0 else (tokens_at(model, layer, images, batch_size), *call[1:])
+        if index == 0:
+            yield call
+            carried = inputs_at(model, blocks[0], images, batch_size)
+            continue
+        if carried is not None:
+            reference = inputs_at(model, blocks[index], images[:batch_size], batch_size)
+            outputs = replay(blocks[index - 1], carried, batch_size)
+            same = torch.equal(outputs[:batch_size], reference[0])
+            carried = (outputs, *reference[1:]) if same else None
+        tokens = (replay(blocks[index], carried, batch_size, stop=layer) if carried is not None
+                  else tokens_at(model, layer, images, batch_size))
+        yield (tokens, *call[1:])
 
 
 def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: Iterable[Call], steps: int,
