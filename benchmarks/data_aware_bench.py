@@ -88,7 +88,7 @@ def main() -> None:
     blocks = reach * (fit * (depth - 1) + min(recipe.batch_size, fit) * depth * (depth - 1) / 2)
     projected = (fast - summary["capture_seconds"]) + capture * args.default_images + per_image * fit \
         + blocks + steps * depth * per_step
-    tokens = calls[-1][0][0].numel() * 4 * len(originals) * fit * (1 + recipe.samples)
+    tokens = calls[-1][0][0].numel() * 4 * fit * (len(originals) * recipe.samples + 1)  # the first layer's tokens
     print(f"{args.model}, key dim {args.key_dim}; {platform.machine()}, {args.device}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
     print("| conversion | wall s | token capture s | held-out KL weight-only / closed form | x weight-only |\n"

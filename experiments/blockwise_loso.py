@@ -90,7 +90,7 @@ def snapshots(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -
     steps = {math.ceil(p * fit / batch): p for p in passes}
     if len(steps) < len(passes):
         raise SystemExit(f"passes {passes} give the same step counts for {fit} fitting images")
-    calls = run.cached_calls()
+    calls = run.cached_calls(every_layer=True)
     device = next(run.model.parameters()).device
     targets = [source_outputs(s, c, batch, device) for s, c in zip(run.originals, calls)]
     first = [mean_loss(f.layer, c, t, batch, device) for f, c, t in zip(base.fits, calls, targets)]

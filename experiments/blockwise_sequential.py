@@ -67,8 +67,9 @@ def on_source_tokens(run: RecipeRun, base: Candidate, steps: int) -> Candidate:
     it), a copy, measured."""
     fits = copies(base.fits)
     r = run.recipe
-    result = refine_blocks(run.originals, [f.layer for f in fits], run.cached_calls(), steps, r.refine_lr,
-                           r.batch_size, run.seed, progress=False)
+    calls = run.cached_calls(every_layer=True)
+    result = refine_blocks(run.originals, [f.layer for f in fits], calls, steps, r.refine_lr, r.batch_size, run.seed,
+                           progress=False)
     run.tensor_errors(fits)
     return run.measure(Candidate(f"{base.name}+blocks", fits, refine={"steps": steps, "seconds": result.seconds}))
 
@@ -76,7 +77,7 @@ def on_source_tokens(run: RecipeRun, base: Candidate, steps: int) -> Candidate:
 def sequential(run: RecipeRun, base: Candidate, steps: int, compensate: bool = True) -> Candidate:
     """``base`` refined layer after layer on the converted model's tokens (module docstring), a copy, measured;
     towards the source layer's output on the source's tokens (``compensate``) or on the converted model's tokens."""
-    calls = run.cached_calls()  # the source's tokens and sensitivities (swaps the source's layers back in)
+    calls = run.cached_calls(every_layer=True)  # the source's tokens and sensitivities (swaps the source's layers in)
     fits = copies(base.fits)
     run.install(fits)
     r = run.recipe

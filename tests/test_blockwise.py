@@ -183,6 +183,10 @@ def test_the_cache_estimate_is_what_the_cache_holds() -> None:
         calls = layer_inputs(model, sources, images, 2, 3)
         held = sum(c[0].numel() * c[0].element_size() + c[3].numel() * c[3].element_size() for c in calls)
         assert blockwise.cache_bytes(model, sources, images[:1], 6, 3) == held
+        first = layer_inputs(model, sources, images, 2, 3, kept=1)  # what the recipe holds: the first layer's tokens
+        assert first[1][0] is None and torch.equal(first[0][0], calls[0][0])
+        assert all(torch.equal(a[3], b[3]) for a, b in zip(first, calls))
+        assert blockwise.cache_bytes(model, sources, images[:1], 6, 3, 1) == held - calls[1][0].numel() * 4
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(blockwise, "available_bytes", lambda: held // 2)  # the first third is in, the rest is not
             with pytest.raises(MemoryError, match="GiB of tokens and sensitivities"):
@@ -269,3 +273,17 @@ def test_converted_tokens_are_carried_block_to_block_as_a_stopped_pass_reads_the
             handle.remove()
         if not between:  # blocks 0-3 replayed once each; the checking batch of layer l crosses blocks 0 to l - 1
             assert sum(crossed) == 4 * 28 + (1 + 2 + 3 + 4) * 8  # stopped passes: (1 + 2 + 3 + 4) * 28
+
+
+def test_the_recipe_holds_the_first_layers_tokens_alone() -> None:
+    """The recipe's cache keeps the source's tokens of the first layer only (the others are read from the converted
+    model) and every layer's sensitivities; experiments may ask for every layer's tokens."""
+    from collab_vit.conversion.recipe import STANDARD, Recipe, RecipeRun
+
+    model = small("deit_tiny_patch16_224")
+    run = RecipeRun(model, timm_attention_layers(model), torch.randn(24, 3, 32, 32), Recipe(views=1), "tucker", 0,
+                    STANDARD)
+    calls = run.cached_calls()
+    assert calls[0][0].shape[0] == 18 and [c[0] for c in calls[1:]] == [None]
+    every = run.cached_calls(every_layer=True)
+    assert all(c[0].shape[0] == 18 for c in every) and torch.equal(every[1][3], calls[1][3])

@@ -9,8 +9,8 @@ to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||
 removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
 and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
-backward on the minibatch, not the whole model's (``refine.refine_logits``); the tokens and sensitivities are held in
-host memory (``(1 + samples) x images x tokens x D x layers`` floats: ``cache_bytes`` estimates them from one image
+backward on the minibatch, not the whole model's (``refine.refine_logits``); the sensitivities and the first layer's
+tokens are held in host memory (``(samples x layers + 1) x images x tokens x D`` floats: ``cache_bytes`` estimates them from one image
 before the recipe starts, and the first batch's measured size is checked again). As in ``refine_logits``, a layer
 whose mean loss over all the images rose keeps its starting weights.
 """
@@ -28,17 +28,18 @@ from ..checks import nonnegative_int, positive_int, positive_real
 from .capture import _kept
 from .refine import RefineResult, _Trainable
 
-Call = tuple[Tensor, tuple, dict, Tensor]  # one layer's tokens (images, N, D), the other arguments of its calls, and
-# the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)``
+Call = tuple[Optional[Tensor], tuple, dict, Tensor]  # one layer's tokens (images, N, D; None where not held), the
+# other arguments of its calls, and the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)``
 
 
 def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batch_size: int, samples: int,
-                 seed: int = 0) -> list[Call]:
+                 seed: int = 0, kept: Optional[int] = None) -> list[Call]:
     """What each of ``layers`` (modules of ``model``) receives on ``images``: the tokens of every image (on the CPU,
-    float32 at least) and the first call's other arguments (the same for every batch of images of one size), and each
-    layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for ``samples`` classes ``c_s`` drawn from the
-    model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output KL that a
-    change ``dy`` of that layer's output causes, to second order (``relative_loss``)."""
+    float32 at least; of the first ``kept`` layers only, None for the others: the refinement reads those from the
+    converted model, ``converted_calls``) and the first call's other arguments (the same for every batch of images of
+    one size), and each layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for ``samples`` classes ``c_s``
+    drawn from the model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output
+    KL that a change ``dy`` of that layer's output causes, to second order (``relative_loss``)."""
     samples = positive_int(samples, "samples")
     tokens: list[list[Tensor]] = [[] for _ in layers]
     grads: list[list[Tensor]] = [[] for _ in layers]
@@ -48,7 +49,8 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
 
     def hook(index: int):
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            tokens[index].append(_kept(args[0].detach()))
+            if kept is None or index < kept:
+                tokens[index].append(_kept(args[0].detach()))
             if rest[index] is None:
                 rest[index] = (args[1:], dict(kwargs))
         return record
@@ -59,7 +61,7 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
         device = next(model.parameters()).device
         for index, chunk in enumerate(images.split(batch_size)):
             if index == 1:  # the first batch's tokens and sensitivities, measured, for all the images
-                first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads))
+                first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads) if t)
                 check_memory(first * images.shape[0] / chunk.shape[0], first)
             outputs.clear()
             with torch.enable_grad():
@@ -69,7 +71,7 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
     finally:
         for handle in handles:
             handle.remove()
-    return [(torch.cat(t), *r, torch.cat(g)) for t, r, g in zip(tokens, rest, grads)]
+    return [(torch.cat(t) if t else None, *r, torch.cat(g)) for t, r, g in zip(tokens, rest, grads)]
 
 
 def available_bytes() -> int:
@@ -81,9 +83,11 @@ def available_bytes() -> int:
         return 2 ** 62
 
 
-def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int) -> int:
-    """The bytes ``layer_inputs`` will hold for ``images`` images and ``samples`` classes: each layer's tokens of
-    ``image`` (one image, one forward pass), float32 at least, ``1 + samples`` times, ``images`` times."""
+def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,
+                kept: Optional[int] = None) -> int:
+    """The bytes ``layer_inputs`` will hold for ``images`` images, ``samples`` classes and the tokens of the first
+    ``kept`` layers: each layer's tokens of ``image`` (one image, one forward pass), float32 at least, ``samples``
+    times and once more for the layers whose tokens are held, ``images`` times."""
     sizes: list[int] = []
     handles = [layer.register_forward_pre_hook(lambda m, a: sizes.append(a[0][0].numel() * max(a[0].element_size(), 4)))
                for layer in layers]
@@ -93,7 +97,7 @@ def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images
     finally:
         for handle in handles:
             handle.remove()
-    return sum(sizes) * (1 + samples) * images
+    return (sum(sizes) * samples + sum(sizes[:kept])) * images
 
 
 def check_memory(total: float, held: float = 0.0) -> None:

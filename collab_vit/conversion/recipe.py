@@ -289,14 +289,16 @@ class RecipeRun:
         for (_, attn), f in zip(self.layers, fits):
             f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
 
-    def cached_calls(self) -> list:
-        """The source layers' tokens and sensitivities on the refinement's inputs (``blockwise.layer_inputs``), read
-        on the first call with the source's layers swapped back in."""
-        if self.calls is None:
+    def cached_calls(self, every_layer: bool = False) -> list:
+        """The source layers' sensitivities on the refinement's inputs and the first layer's tokens (the others are
+        read from the converted model: ``converted_calls``; ``every_layer``: every layer's, for experiments), by
+        ``blockwise.layer_inputs``, read on the first call with the source's layers swapped back in."""
+        if self.calls is None or (every_layer and self.calls[-1][0] is None):
+            self.calls = None  # not held twice
             for (name, _), original in zip(self.layers, self.originals):
                 replace_submodule(self.model, name, original)
             self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
-                                      self.recipe.samples, self.seed)
+                                      self.recipe.samples, self.seed, None if every_layer else 1)
         return self.calls
 
     def blockwise(self, base: Candidate, steps: int, on_step: Optional[Callable[[nn.Module, int, int], None]] = None
@@ -353,7 +355,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     if not steps.get("refine"):
         recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored
     if steps.get("blocks"):  # a cache that cannot fit is refused before any work (and checked again as it fills)
-        check_memory(cache_bytes(model, [a for _, a in layers], images[:1], fit, recipe.samples))
+        check_memory(cache_bytes(model, [a for _, a in layers], images[:1], fit, recipe.samples, 1))
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
     dims = run.dims(spec)
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
