@@ -50,7 +50,7 @@ def written_outside(pattern: str, home: str) -> list:
 
 @pytest.mark.parametrize('pattern, home', [
     (r'numbers\.(Integral|Real)|isinstance\(\w+, bool\) or not isinstance', 'checks.py'),  # argument checks
-    (r'rpartition\("\."\)', 'layers/construction.py'),  # replace_submodule
+    (r'rpartition\("\."\)', 'layers/construction.py'),  # parent_module
     (r'num_heads \* \w+\.head_dim', 'layers/construction.py'),  # timm's attn_dim: full_rank
     (r'str\(\w+\)(\.strip\(\))?\.splitlines\(\)\[0\]', 'weights_io.py'),  # an error's line: one_line
     (r'''f["'][^"']*(deit_\{|_k\{)|_k\(\\d|split\("_"\)\[2\]''', 'models.py'),  # the model-name scheme

@@ -25,6 +25,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..checks import nonnegative_int, positive_int, positive_real
+from ..layers.construction import parent_module
 from .capture import _kept
 from .refine import RefineResult, _Trainable
 
@@ -207,8 +208,7 @@ def replay(block: nn.Module, inputs: tuple[Tensor, tuple, dict], batch_size: int
 
 def enclosing(model: nn.Module, layer: nn.Module) -> nn.Module:
     """The module holding ``layer`` (its parent in ``model``: a transformer block)."""
-    name = next(n for n, m in model.named_modules() if m is layer)
-    return model.get_submodule(name.rpartition(".")[0])
+    return parent_module(model, next(n for n, m in model.named_modules() if m is layer))[0]
 
 
 def converted_calls(model: nn.Module, layers: list[nn.Module], calls: list[Call], images: Tensor, batch_size: int

@@ -123,7 +123,13 @@ def from_factors(cls: type, attn: Attention, query: Tensor, key: Tensor, mixing:
     return layer.train(attn.training)
 
 
+def parent_module(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding ``model``'s submodule of dotted name ``name`` (e.g. ``"blocks.3.attn"``: ``blocks.3``) and
+    the submodule's name in it (``"attn"``)."""
+    parent, _, child = name.rpartition(".")
+    return model.get_submodule(parent), child
+
+
 def replace_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` in ``model`` at the dotted submodule name ``name`` (e.g. ``"blocks.3.attn"``), in place."""
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
+    setattr(*parent_module(model, name), new)
