@@ -29,7 +29,7 @@ import time
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import enclosing, inputs_at, layer_inputs, refine_blocks, replay
+from collab_vit.conversion.blockwise import cache_bytes, enclosing, inputs_at, layer_inputs, refine_blocks, replay
 from collab_vit.conversion.recipe import DEFAULT_IMAGES, Recipe, refine_steps, split
 from collab_vit.conversion.reparam import convert_model, timm_attention_layers
 
@@ -88,7 +88,7 @@ def main() -> None:
     blocks = reach * (fit * (depth - 1) + min(recipe.batch_size, fit) * depth * (depth - 1) / 2)
     projected = (fast - summary["capture_seconds"]) + capture * args.default_images + per_image * fit \
         + blocks + steps * depth * per_step
-    tokens = calls[-1][0][0].numel() * 4 * fit * (len(originals) * recipe.samples + 1)  # the first layer's tokens
+    tokens = cache_bytes(source, originals, images[:1], fit, recipe.samples, 1)  # what the recipe checks
     print(f"{args.model}, key dim {args.key_dim}; {platform.machine()}, {args.device}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
     print("| conversion | wall s | token capture s | held-out KL weight-only / closed form | x weight-only |\n"
@@ -107,10 +107,10 @@ def main() -> None:
         kept = report.summary["chosen"]
         print(f"| recipe, effort default, {args.default_images} images, measured | {measured:.0f} | "
               f"{report.summary['capture_seconds']:.0f} | kept {kept} | {measured / weight_only:.1f} |")
-    print(f"\ncapture {capture:.3f} s per image; tokens and {recipe.samples} sensitivities {per_image:.3f} s per image; "
-          f"one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); one block's pass "
-          f"{reach:.4f} s per image ({blocks:.0f} s for the converted tokens of every layer); the cached "
-          f"tokens and sensitivities of {fit} fitting images: {tokens / 2**30:.1f} GiB")
+    print(f"\ncapture {capture:.3f} s per image; tokens and {recipe.samples} sensitivities {per_image:.3f} s per "
+          f"image; one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); one "
+          f"block's pass {reach:.4f} s per image ({blocks:.0f} s for the converted tokens of every layer); the cached "
+          f"tokens and sensitivities of {fit} fitting images, and a layer's working tokens: {tokens / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ output, from tokens cached in one pass of the source."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -182,15 +185,67 @@ def test_the_cache_estimate_is_what_the_cache_holds() -> None:
         images = torch.randn(6, 3, 32, 32)
         calls = layer_inputs(model, sources, images, 2, 3)
         held = sum(c[0].numel() * c[0].element_size() + c[3].numel() * c[3].element_size() for c in calls)
-        assert blockwise.cache_bytes(model, sources, images[:1], 6, 3) == held
+        working = blockwise.WORKING * calls[0][0].numel() * 4  # a layer's refinement (``test_the_refinement_...``)
+        assert blockwise.cache_bytes(model, sources, images[:1], 6, 3) == held + working
         first = layer_inputs(model, sources, images, 2, 3, kept=1)  # what the recipe holds: the first layer's tokens
         assert first[1][0] is None and torch.equal(first[0][0], calls[0][0])
         assert all(torch.equal(a[3], b[3]) for a, b in zip(first, calls))
-        assert blockwise.cache_bytes(model, sources, images[:1], 6, 3, 1) == held - calls[1][0].numel() * 4
+        assert blockwise.cache_bytes(model, sources, images[:1], 6, 3, 1) == held + working - calls[1][0].numel() * 4
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(blockwise, "available_bytes", lambda: held // 2)  # the first third is in, the rest is not
             with pytest.raises(MemoryError, match="GiB of tokens and sensitivities"):
                 layer_inputs(model, sources, images, 2, 3)
+
+
+PROBE = """
+import sys, threading, time
+import timm, torch
+from collab_vit.conversion.blockwise import converted_calls, layer_inputs, refine_blocks
+from collab_vit.conversion.fit import fit_attention
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+torch.manual_seed(0)
+model = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=3, embed_dim=64, num_heads=4,
+                          num_classes=10).eval()
+images = torch.randn(2000, 3, 32, 32)
+sources = [block.attn for block in model.blocks]
+calls = layer_inputs(model, sources, images, 250, 1, kept=1)
+layers = [fit_attention(a, 8, "tucker").layer for a in sources]
+for block, layer in zip(model.blocks, layers):
+    block.attn = layer
+peak, done = [0], threading.Event()
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.0005)
+
+base = rss()
+watcher = threading.Thread(target=watch)
+watcher.start()
+refine_blocks(sources, layers, converted_calls(model, layers, calls, images, 40), 2, 1e-3, 40, 0, False)
+done.set()
+watcher.join()
+print((peak[0] - base) / calls[0][0].nbytes)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident memory from Linux's /proc")
+def test_the_refinement_holds_no_more_than_its_working_tensors_beside_the_cache() -> None:
+    """While the layers are refined (tokens carried block to block), the process's resident memory grows by at most
+    ``WORKING`` token tensors of all the images beyond the cache (what ``cache_bytes`` counts), sampled every 0.5 ms,
+    in a fresh process whose large blocks go back to the system when freed (``MALLOC_MMAP_THRESHOLD_``: a freed
+    tensor's memory is not reused unseen). Slack: one batch's temporaries, 40 of 2000 images: tens of batch-sized
+    tensors (the block's activations and its gradients), under half a token tensor."""
+    from collab_vit.conversion.blockwise import WORKING
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=True)
+    grown = float(done.stdout.split()[-1])
+    assert 1 <= grown <= WORKING + 0.5, grown  # held two more before the layer's tensors were let go (5.1)
 
 
 def test_the_lost_plain_loss_is_refused() -> None:

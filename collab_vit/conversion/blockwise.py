@@ -10,9 +10,10 @@ removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer
 and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
 backward on the minibatch, not the whole model's (``refine.refine_logits``); the sensitivities and the first layer's
-tokens are held in host memory (``(samples x layers + 1) x images x tokens x D`` floats: ``cache_bytes`` estimates them from one image
-before the recipe starts, and the first batch's measured size is checked again). As in ``refine_logits``, a layer
-whose mean loss over all the images rose keeps its starting weights.
+tokens are held in host memory (``(samples x layers + 1) x images x tokens x D`` floats, and ``WORKING`` token
+tensors of all the images while a layer is refined: ``cache_bytes`` estimates them from one image before the recipe
+starts, and the first batch's measured size is checked again). As in ``refine_logits``, a layer whose mean loss over
+all the images rose keeps its starting weights.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from ..layers.construction import parent_module
 from .capture import _kept
 from .refine import RefineResult, _Trainable
 
+WORKING = 3  # token tensors of all the images held beside the cache while a layer is refined: the inputs of the block
+# before it, the layer's tokens, the source layer's outputs on them (``converted_calls``, ``refine_blocks``)
 Call = tuple[Optional[Tensor], tuple, dict, Tensor]  # one layer's tokens (images, N, D; None where not held), the
 # other arguments of its calls, and the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)``
 
@@ -63,7 +66,8 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
         for index, chunk in enumerate(images.split(batch_size)):
             if index == 1:  # the first batch's tokens and sensitivities, measured, for all the images
                 first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads) if t)
-                check_memory(first * images.shape[0] / chunk.shape[0], first)
+                working = WORKING * grads[0][0][:, 0].numel() * grads[0][0].element_size()
+                check_memory((first + working) * images.shape[0] / chunk.shape[0], first)
             outputs.clear()
             with torch.enable_grad():
                 logits = model(chunk.to(device))
@@ -86,9 +90,10 @@ def available_bytes() -> int:
 
 def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,
                 kept: Optional[int] = None) -> int:
-    """The bytes ``layer_inputs`` will hold for ``images`` images, ``samples`` classes and the tokens of the first
-    ``kept`` layers: each layer's tokens of ``image`` (one image, one forward pass), float32 at least, ``samples``
-    times and once more for the layers whose tokens are held, ``images`` times."""
+    """The bytes the blockwise refinement holds for ``images`` images, ``samples`` classes and the tokens of the
+    first ``kept`` layers: each layer's tokens of ``image`` (one image, one forward pass), float32 at least,
+    ``samples`` times and once more for the layers whose tokens are held (``layer_inputs``), and ``WORKING`` times
+    the largest (a layer's refinement), ``images`` times."""
     sizes: list[int] = []
     handles = [layer.register_forward_pre_hook(lambda m, a: sizes.append(a[0][0].numel() * max(a[0].element_size(), 4)))
                for layer in layers]
@@ -98,7 +103,7 @@ def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images
     finally:
         for handle in handles:
             handle.remove()
-    return (sum(sizes) * samples + sum(sizes[:kept])) * images
+    return (sum(sizes) * samples + sum(sizes[:kept]) + WORKING * max(sizes)) * images
 
 
 def check_memory(total: float, held: float = 0.0) -> None:
@@ -106,7 +111,7 @@ def check_memory(total: float, held: float = 0.0) -> None:
     sensitivities, ``held`` of them already in memory, against what is available."""
     available = available_bytes()
     if total - held > available:
-        raise MemoryError(f"the blockwise refinement caches {total / 2**30:.1f} GiB of tokens and "
+        raise MemoryError(f"the blockwise refinement holds {total / 2**30:.1f} GiB of tokens and "
                           f"sensitivities for these images; {available / 2**30:.1f} GiB is available: use "
                           f"fewer calibration images (--calibration-images) or --effort fast")
 
@@ -139,11 +144,23 @@ def mean_loss(layer: nn.Module, call: Call, target: Tensor, batch_size: int, dev
                                    device)) for s in range(0, call[0].shape[0], batch_size))
 
 
+def filled(n: int, batch_size: int, part: Callable[[slice], Tensor]) -> Tensor:
+    """``part(batch)`` for the batches of ``n`` items, written into one tensor allocated at the first batch (no
+    second copy of all of them, as ``torch.cat`` of the parts would make)."""
+    out: Optional[Tensor] = None
+    for s in range(0, n, batch_size):
+        piece = part(slice(s, min(s + batch_size, n)))
+        if out is None:
+            out = piece.new_empty((n, *piece.shape[1:]))
+        out[s:s + piece.shape[0]] = piece
+    assert out is not None, "no items"
+    return out
+
+
 @torch.no_grad()
 def source_outputs(source: nn.Module, call: Call, batch_size: int, device: torch.device) -> Tensor:
     x, args, kwargs, _ = call
-    return torch.cat([_kept(source(x[s:s + batch_size].to(device), *args, **kwargs))
-                      for s in range(0, x.shape[0], batch_size)])
+    return filled(x.shape[0], batch_size, lambda b: _kept(source(x[b].to(device), *args, **kwargs)))
 
 
 class _Reached(Exception):
@@ -162,17 +179,19 @@ def inputs_at(model: nn.Module, module: nn.Module, images: Tensor, batch_size: i
         rest.append((args[1:], dict(kwargs)))
         raise _Reached
 
+    def part(batch: slice) -> Tensor:
+        try:
+            model(images[batch].to(device))
+        except _Reached:
+            pass
+        return seen.pop()
+
     handle = module.register_forward_pre_hook(record, with_kwargs=True)
     device = next(model.parameters()).device
     try:
-        for chunk in images.split(batch_size):
-            try:
-                model(chunk.to(device))
-            except _Reached:
-                pass
+        return filled(images.shape[0], batch_size, part), *rest[0]
     finally:
         handle.remove()
-    return torch.cat(seen), *rest[0]
 
 
 def tokens_at(model: nn.Module, layer: nn.Module, images: Tensor, batch_size: int) -> Tensor:
@@ -187,23 +206,25 @@ def replay(block: nn.Module, inputs: tuple[Tensor, tuple, dict], batch_size: int
     it) what ``stop`` receives (on the CPU, float32 at least)."""
     x, args, kwargs = inputs
     device = next(block.parameters()).device
-    out: list[Tensor] = []
+    seen: list[Tensor] = []
 
     def record(module: nn.Module, args: tuple) -> None:
-        out.append(_kept(args[0].detach()))
+        seen.append(_kept(args[0].detach()))
         raise _Reached
+
+    def part(batch: slice) -> Tensor:
+        try:
+            seen.append(_kept(block(x[batch].to(device), *args, **kwargs)))
+        except _Reached:
+            pass
+        return seen.pop()
 
     handle = None if stop is None else stop.register_forward_pre_hook(record)
     try:
-        for s in range(0, x.shape[0], batch_size):
-            try:
-                out.append(_kept(block(x[s:s + batch_size].to(device), *args, **kwargs)))
-            except _Reached:
-                pass
+        return filled(x.shape[0], batch_size, part)
     finally:
         if handle is not None:
             handle.remove()
-    return torch.cat(out)
 
 
 def enclosing(model: nn.Module, layer: nn.Module) -> nn.Module:
@@ -234,9 +255,9 @@ def converted_calls(model: nn.Module, layers: list[nn.Module], calls: list[Call]
             outputs = replay(blocks[index - 1], carried, batch_size)
             same = torch.equal(outputs[:batch_size], reference[0])
             carried = (outputs, *reference[1:]) if same else None
-        tokens = (replay(blocks[index], carried, batch_size, stop=layer) if carried is not None
-                  else tokens_at(model, layer, images, batch_size))
-        yield (tokens, *call[1:])
+            del outputs  # held once, as ``carried``; the yielded tokens are not held here (``WORKING``)
+        yield (replay(blocks[index], carried, batch_size, stop=layer) if carried is not None
+               else tokens_at(model, layer, images, batch_size), *call[1:])
 
 
 def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: Iterable[Call], steps: int,
@@ -256,7 +277,9 @@ def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: Iter
     kept = False
     start = time.perf_counter()
     bar = tqdm(total=steps * len(layers), desc="refine (each layer's output)", disable=not progress)
-    for number, (source, layer, call) in enumerate(zip(sources, layers, calls)):
+    calls = iter(calls)
+    for number, (source, layer) in enumerate(zip(sources, layers)):
+        call = next(calls)  # the layer before's tokens and outputs already let go (``WORKING``)
         generator = torch.Generator().manual_seed(seed + number)
         params = [layer.query.weight, layer.key.weight, layer.mixing]
         device = params[0].device
@@ -282,6 +305,7 @@ def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: Iter
                 with torch.no_grad():
                     for p, weight in zip(params, start_weights):
                         p.copy_(weight)
+            del call, target
         before, after = before + first, after + last
     bar.close()
     return RefineResult(steps, time.perf_counter() - start, losses[0] if steps else float("nan"),
