@@ -186,6 +186,31 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
     assert full.tensor_error < 1e-6
 
 
+def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) -> None:
+    """At light compression the weight-only fit is the selection (``rotary_fit.weight_only``): the recipe scores that
+    model once on the held-out images and both candidates carry its scores (the whitened fit, another model, is
+    scored); the model kept is the one scored."""
+    from collab_vit.conversion import recipe as recipe_module
+
+    name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
+    model = vit_family.create(name, kwargs)
+    images = vit_family.images(24, seed=3)
+    passes = []
+    scored = recipe_module.per_image_kl
+    monkeypatch.setattr(recipe_module, "per_image_kl", lambda *a: passes.append(1) or scored(*a))
+    converted = copy.deepcopy(model)
+    key_dim = 48  # of 64: at least LIGHT, below full rank
+    report = collab_vit.conversion.reparam.convert_model(converted, key_dim, "tucker", images, "fast", 0, False,
+                                                         recipe_module.Recipe(holdout=8))
+    kl = report.summary["candidates"]
+    assert set(kl) == {"weight", "whitened", "select"} and kl["select"] == kl["weight"] != kl["whitened"]
+    assert len(passes) == 2
+    assert not report.summary["verdicts"]["select"]["kept"]
+    weight_only = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
+    x = vit_family.images(3, seed=5)
+    assert torch.equal(converted(x), (weight_only if report.summary["chosen"] == "weight" else converted)(x))
+
+
 def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
     """``selection_ranks`` at ``K = k H`` counts the heads whose ``k`` strongest pairs hold each frequency, and grows
     by one pair at a time; the ``"optimal"`` allocation never has a larger summed tensor error."""

@@ -169,6 +169,21 @@ def copies(fits: list[LayerFit]) -> list[LayerFit]:
     return out
 
 
+def same_layers(a: list[LayerFit], b: list[LayerFit]) -> bool:
+    """Whether two candidates' layers are the same modules with equal settings, parameters and buffers (so equal
+    outputs)."""
+    def settings(m: nn.Module) -> list[dict]:
+        return [{k: v for k, v in vars(s).items() if not k.startswith("_") and isinstance(v, (int, float, str, tuple))}
+                for s in m.modules()]
+
+    def same(x: nn.Module, y: nn.Module) -> bool:
+        tx, ty = [*x.named_parameters(), *x.named_buffers()], [*y.named_parameters(), *y.named_buffers()]
+        return type(x) is type(y) and settings(x) == settings(y) and [n for n, _ in tx] == [n for n, _ in ty] and all(
+            t.shape == u.shape and torch.equal(t, u) for (_, t), (_, u) in zip(tx, ty))
+
+    return len(a) == len(b) and all(same(x.layer, y.layer) for x, y in zip(a, b))
+
+
 @dataclass
 class Candidate:
     name: str
@@ -232,6 +247,7 @@ class RecipeRun:
         self.progress, self.bar = False, None  # progress bars (``calibrated`` sets them)
         self.dims_from = "given"
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
+        self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
 
     def dims(self, spec: KeyDimSpec) -> dict[str, list[int]]:
         """Each start's key dims (``start_dims``, or the builder's); where they came from: ``dims_from``."""
@@ -245,11 +261,15 @@ class RecipeRun:
 
     def measure(self, candidate: Candidate) -> Candidate:
         """``candidate`` installed and scored on the held-out images as they are: the KL of each image, and the mean
-        over the images."""
+        over the images. A candidate whose layers are those of one measured before (rotary layers at light
+        compression: the weight-only fit is the selection, ``rotary_fit.weight_only``) takes its scores, not
+        another pass."""
         self.install(candidate.fits)
-        candidate.held = per_image_kl(self.model, self.source.held_inputs, self.source.held_target,
-                                      self.recipe.batch_size)
+        twin = next((c for c in self.measured if same_layers(c.fits, candidate.fits)), None)
+        candidate.held = twin.held if twin is not None else per_image_kl(
+            self.model, self.source.held_inputs, self.source.held_target, self.recipe.batch_size)
         candidate.held_kl = float(candidate.held.mean())
+        self.measured.append(candidate)
         return candidate
 
     def fit_start(self, name: str, dims: list[int]) -> Candidate:
