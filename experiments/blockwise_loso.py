@@ -10,6 +10,11 @@ refinement of the better start), driving ``RecipeRun``, once per refinement lr (
 held-out images (``--holdouts``, out of the 2048; default: the package's, 256), with the refinement's passes
 (``--passes``) read along one run: each layer draws its own minibatches, so a run of fewer steps is the longer one's
 prefix, layer by layer, and a layer whose loss over all the images rose keeps its start, as ``refine_blocks`` does.
+Since the refinement reads each layer's tokens from the converted model (``blockwise.converted_calls``, after the
+grids of results/blockwise_loso were taken), a shorter snapshot of a layer after the first was trained on the tokens
+the longest run of the layers before it gives, and its "rose" is judged on the source's tokens: only the longest
+snapshot is the package's run, the shorter ones approximate theirs (on a one-layer model every snapshot is the
+package's run, to the bit: ``tests/test_blockwise_loso.py``).
 Each JSON (one per key dim, lr and held-out count) holds every candidate's per-image held-out KL (what the guard
 scores) and its test predictions (right or wrong per image, packed bits) for every start and snapshot.
 
