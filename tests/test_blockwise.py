@@ -170,8 +170,28 @@ def test_a_cache_larger_than_the_memory_is_one_line_before_any_work(tmp_path, mo
         cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
                   "--calibration-data-dir", data, "--calibration-images", "200"])  # 3 batches
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exit_info.value.code == 1 and "GiB of tokens and sensitivities" in err and "--calibration-images" in err
+    assert exit_info.value.code == 1 and "GiB of tokens and sensitivities" in err
+    assert err.endswith("too little for two images' cache: use --effort fast")
     assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_a_refused_cache_names_the_most_calibration_images_that_fit() -> None:
+    """The refusal names the largest count of calibration images whose cache fits (a quarter of them held out, as
+    the recipe does), and that count passes the check; one more image does not."""
+    from collab_vit.conversion import blockwise
+    from collab_vit.conversion.recipe import Recipe, memory_checked, split
+
+    model = small("deit_tiny_patch16_224")
+    layers = timm_attention_layers(model)
+    images = torch.randn(200, 3, 32, 32)
+    per_image = blockwise.cache_bytes(model, [a for _, a in layers], images[:1], 1, Recipe().samples, 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blockwise, "available_bytes", lambda: split(150, None) * per_image)  # 113 fitting images
+        with pytest.raises(MemoryError, match=r"use at most 150 calibration images \(--calibration-images 150\)"):
+            memory_checked(model, layers, images, Recipe())
+        memory_checked(model, layers, images[:150], Recipe())
+        with pytest.raises(MemoryError):
+            memory_checked(model, layers, images[:151], Recipe())
 
 
 def test_the_cache_estimate_is_what_the_cache_holds() -> None:

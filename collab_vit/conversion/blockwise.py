@@ -106,14 +106,16 @@ def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images
     return (sum(sizes) * samples + sum(sizes[:kept]) + WORKING * max(sizes)) * images
 
 
-def check_memory(total: float, held: float = 0.0) -> None:
+def check_memory(total: float, held: float = 0.0, advice: Optional[Callable[[int], str]] = None) -> None:
     """A one-line ``MemoryError`` before the cache outgrows the host memory: ``total`` bytes of tokens and
-    sensitivities, ``held`` of them already in memory, against what is available."""
+    sensitivities, ``held`` of them already in memory, against what is available; ``advice(available bytes)``: what
+    to do instead (default: fewer calibration images or ``--effort fast``)."""
     available = available_bytes()
     if total - held > available:
         raise MemoryError(f"the blockwise refinement holds {total / 2**30:.1f} GiB of tokens and "
-                          f"sensitivities for these images; {available / 2**30:.1f} GiB is available: use "
-                          f"fewer calibration images (--calibration-images) or --effort fast")
+                          f"sensitivities for these images; {available / 2**30:.1f} GiB is available: " + (
+                              advice(available) if advice is not None else
+                              "use fewer calibration images (--calibration-images) or --effort fast"))
 
 
 def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator) -> list[Tensor]:

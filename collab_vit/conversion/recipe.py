@@ -348,6 +348,25 @@ class RecipeRun:
             original.eval()
 
 
+def memory_checked(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe) -> None:
+    """The blockwise refinement's memory (``blockwise.cache_bytes``, linear in the fitting images) for ``images``
+    checked against the host's before any work; a refusal names how many calibration images would fit."""
+    per_image = cache_bytes(model, [a for _, a in layers], images[:1], 1, recipe.samples, 1)
+
+    def fits(m: int, available: int) -> bool:
+        try:
+            return split(m, recipe.holdout) * per_image <= available
+        except ValueError:  # a holdout of at least ``m``
+            return False
+
+    def advice(available: int) -> str:
+        most = next((m for m in range(images.shape[0] - 1, 1, -1) if fits(m, available)), None)
+        return (f"use at most {most} calibration images (--calibration-images {most}) or --effort fast"
+                if most is not None else "too little for two images' cache: use --effort fast")
+
+    check_memory(split(images.shape[0], recipe.holdout) * per_image, advice=advice)
+
+
 def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Candidate, dict[str, Verdict]]:
     """The candidate kept and the guard's verdict on every other one (``guard.judge`` against the weight-only fit):
     of the candidates whose held-out gain over the weight-only fit is resolved, the one with the lowest held-out KL;
@@ -375,7 +394,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     if not steps.get("refine"):
         recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored
     if steps.get("blocks"):  # a cache that cannot fit is refused before any work (and checked again as it fills)
-        check_memory(cache_bytes(model, [a for _, a in layers], images[:1], fit, recipe.samples, 1))
+        memory_checked(model, layers, images, recipe)
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
     dims = run.dims(spec)
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
