@@ -105,7 +105,7 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     """
     from timm.data import create_transform, resolve_data_config
 
-    from .training.data import build_dataset
+    from .training.data import build_dataset, in_channels
     from .weights_io import model_pipeline
 
     cfg = resolve_data_config(dict(data_config or model_pipeline(model)), model=model)
@@ -119,7 +119,8 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
                                       mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
                                       crop_mode=cfg.get("crop_mode", "center"))
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:images].tolist()
-    return torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size)
+    return in_channels(torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size),
+                       cfg["input_size"][0])
 
 
 def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argparse._ArgumentGroup:

@@ -80,8 +80,30 @@ def test_convert_with_a_budget_and_removed_flags(tmp_path, capsys) -> None:
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_rgb_calibration_images_feed_a_one_channel_model_as_grayscale(tmp_path, capsys) -> None:
+    """Calibration images are converted to the model's channels as timm's train.py and validate.py convert them
+    (``L`` for one channel, ``RGB`` for three): RGB PNGs calibrate a one-channel model exactly as the same images
+    stored in grayscale do."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    rgb = make_image_folder(tmp_path / "rgb", classes=2, train_per_class=4, val_per_class=1)
+    gray = tmp_path / "gray"
+    for path in sorted(Path(rgb).rglob("*.png")):
+        target = gray / path.relative_to(rgb)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        Image.open(path).convert("L").save(target)
+    source = exported(tmp_path, in_chans=1)
+    outs = [tmp_path / "from_rgb.safetensors", tmp_path / "from_gray.safetensors"]
+    for data, out in zip((rgb, str(gray)), outs):
+        assert cli_main(["convert", "--checkpoint", source, "--key-dim", "6", "--out", str(out),
+                         "--calibration-data-dir", data, "--effort", "fast"]) == 0
+    assert capsys.readouterr().out.count("held-out KL") == 2  # calibrated, both
+    a, b = (load_file(out) for out in outs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("case, message", [
-    ("channels", "calibration images have 3 channels, the model takes 1"),
     ("size", "calibration images are 20x20 px, the model takes 16x16"),
     ("empty", "no images"),
     ("count", "--calibration-images must be a positive integer, got 0"),
@@ -89,7 +111,7 @@ def test_convert_with_a_budget_and_removed_flags(tmp_path, capsys) -> None:
 ])
 def test_bad_calibration_input_is_one_line_and_writes_nothing(tmp_path, capsys, case: str, message: str) -> None:
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
-    source = exported(tmp_path, in_chans=1 if case == "channels" else 3, size=20 if case == "size" else 16)
+    source = exported(tmp_path, size=20 if case == "size" else 16)
     flags = ["--calibration-data-dir", data]
     if case == "empty":
         (tmp_path / "empty" / "train").mkdir(parents=True)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from collab_vit.training.eval_cli import main as eval_main
 
 from tinyrun import ROOT, TINY_KWARGS, TINY_MODEL, make_image_folder, tiny_overrides, to_flags
+from tinyrun import tiny_fashion_mnist  # noqa: F401  (the fixture)
 
 
 @pytest.fixture(scope='module')
@@ -94,3 +95,38 @@ def test_eval_missing_checkpoint(trained, tmp_path, capsys):
     data, _, _ = trained
     assert eval_main(['--checkpoint', str(tmp_path / 'none.pth'), '--data-dir', data]) == 2
     assert f'checkpoint not found: {tmp_path / "none.pth"}' in capsys.readouterr().err
+
+
+def test_grayscale_images_feed_an_rgb_model_as_timm_folders_do(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    """A three-channel model on ``torch/fashion_mnist`` (grayscale): ``collab-vit convert`` calibrates on it and
+    ``eval.py`` scores it, each image converted to RGB as timm's ``ImageDataset`` converts a folder's images: the same
+    top-1 and loss as the same images stored as grayscale PNGs in a folder (before: a traceback, a 1-channel image
+    normalised with 3 means)."""
+    import numpy as np
+    from PIL import Image
+    from torchvision.datasets import FashionMNIST
+
+    out = tmp_path / 'k8.safetensors'
+    convert = subprocess.run(
+        [sys.executable, '-m', 'collab_vit.cli', 'convert', '--model', 'deit_tiny_patch16_224', '--checkpoint', 'none',
+         '--model-kwargs', 'num_classes=10', 'img_size=32', 'patch_size=8', 'depth=1', '--key-dim', '8', '--out',
+         str(out), '--calibration-dataset', 'torch/fashion_mnist', '--calibration-data-dir', str(tiny_fashion_mnist),
+         '--calibration-images', '16', '--effort', 'fast'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0 and out.exists(), convert.stderr[-2000:]
+    folder = tmp_path / 'png'
+    test = FashionMNIST(str(tiny_fashion_mnist), train=False)
+    for i, (image, label) in enumerate(test):
+        (folder / 'val' / f'class_{label}').mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.asarray(image)).save(folder / 'val' / f'class_{label}' / f'{i:03d}.png')
+    results = []
+    for flags in (['--dataset', 'torch/fashion_mnist', '--data-dir', str(tiny_fashion_mnist)],
+                  ['--data-dir', str(folder)]):
+        res = tmp_path / f'{len(results)}.json'
+        proc = subprocess.run([sys.executable, 'eval.py', '--checkpoint', str(out), *flags, '--workers', '0',
+                               '--cpu-threads', '1', '--output', str(res)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results.append(json.loads(res.read_text()))
+    assert results[0]['num_samples'] == results[1]['num_samples'] == 100
+    assert results[0]['top1'] == results[1]['top1']
+    assert results[0]['loss'] == pytest.approx(results[1]['loss'], rel=1e-6)

@@ -284,6 +284,31 @@ def make_skippable(loader) -> SkipFirstSampler:
     return wrapped
 
 
+class ImageMode:
+    """A PIL image converted to the model's ``channels`` (1: ``L``, 3: ``RGB``; others as they are), as timm's
+    ``ImageDataset`` converts a folder's images to RGB: a grayscale set (``torch/fashion_mnist``) feeds a
+    three-channel model, and an RGB one a one-channel model, as timm's folders do."""
+
+    def __init__(self, channels: int) -> None:
+        self.mode = {1: 'L', 3: 'RGB'}.get(channels)
+
+    def __call__(self, img):
+        return img.convert(self.mode) if self.mode and isinstance(img, Image.Image) and img.mode != self.mode else img
+
+    def __repr__(self) -> str:
+        return f'{type(self).__name__}({self.mode})'
+
+
+def in_channels(loader, channels: int):
+    """``loader`` whose dataset's images are first converted to ``channels`` (``ImageMode``); the loader."""
+    from torchvision.transforms import Compose
+
+    dataset = getattr(loader, 'loader', loader).dataset  # timm's PrefetchLoader keeps the DataLoader in .loader
+    dataset = getattr(dataset, 'dataset', dataset)  # a Subset's
+    dataset.transform = Compose([ImageMode(channels), dataset.transform])
+    return loader
+
+
 def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist_info: DistInfo,
                        collate_fn=None) -> torch.utils.data.DataLoader:
     """DeiT's training pipeline (RandAugment, random erasing, bicubic, repeated augmentation when distributed).
@@ -303,6 +328,7 @@ def build_train_loader(cfg: TrainConfig, dataset, data_cfg: Dict[str, Any], dist
         interpolation=cfg.train_interpolation, mean=data_cfg['mean'], std=data_cfg['std'],
         num_workers=cfg.num_workers, distributed=dist_info.distributed, collate_fn=collate_fn,
         pin_memory=cfg.pin_memory and use_prefetcher, persistent_workers=cfg.persistent_workers)
+    in_channels(loader, data_cfg['input_size'][0])
     inner = getattr(loader, 'loader', loader)  # timm's PrefetchLoader keeps the DataLoader in .loader
     if not isinstance(inner.sampler, torch.utils.data.RandomSampler):
         return loader  # distributed (epoch-seeded) or an iterable dataset (no sampler)
@@ -325,12 +351,12 @@ def build_eval_loader(dataset, data_cfg: Dict[str, Any], batch_size: int, num_wo
                       pin_memory: bool = True, persistent_workers: bool = False) -> torch.utils.data.DataLoader:
     """Ordered eval loader; when distributed each rank reads a shard (padding is dropped by the eval loop)."""
     use_prefetcher = dist_info.device.type == 'cuda'
-    return create_loader(
+    return in_channels(create_loader(
         dataset, input_size=data_cfg['input_size'], batch_size=batch_size, is_training=False,
         use_prefetcher=use_prefetcher, device=dist_info.device, interpolation=data_cfg['interpolation'],
         mean=data_cfg['mean'], std=data_cfg['std'], crop_pct=data_cfg['crop_pct'],
         crop_mode=data_cfg.get('crop_mode'), num_workers=num_workers, distributed=dist_info.distributed,
-        pin_memory=pin_memory and use_prefetcher, persistent_workers=persistent_workers)
+        pin_memory=pin_memory and use_prefetcher, persistent_workers=persistent_workers), data_cfg['input_size'][0])
 
 
 def shard_size(num_samples: int, dist_info: DistInfo) -> int:
