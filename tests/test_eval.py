@@ -97,6 +97,20 @@ def test_eval_missing_checkpoint(trained, tmp_path, capsys):
     assert f'checkpoint not found: {tmp_path / "none.pth"}' in capsys.readouterr().err
 
 
+def test_labels_outside_the_models_classes_are_one_line(trained, tmp_path):
+    """A 3-class model scored on a 5-class folder: one line naming how many labels its head cannot score, exit 2,
+    no --output (before: a traceback from the cross-entropy)."""
+    _, out, _ = trained
+    data = make_image_folder(tmp_path / 'five', classes=5, train_per_class=1, val_per_class=2)
+    res = tmp_path / 'results.json'
+    proc = subprocess.run([sys.executable, 'eval.py', '--checkpoint', str(out / 'last.pth'), '--data-dir', data,
+                           '--workers', '0', '--cpu-threads', '1', '--output', str(res)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: 4 of 10 labels are outside the model's 3 classes (0-2): the data is not what its head was trained for"]
+    assert not res.exists()
+
+
 def test_grayscale_images_feed_an_rgb_model_as_timm_folders_do(tiny_fashion_mnist, tmp_path):  # noqa: F811
     """A three-channel model on ``torch/fashion_mnist`` (grayscale): ``collab-vit convert`` calibrates on it and
     ``eval.py`` scores it, each image converted to RGB as timm's ``ImageDataset`` converts a folder's images: the same

@@ -31,6 +31,7 @@ from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from .config import DataError
 from .distributed import DistInfo, all_gather_rows, all_reduce_sum, any_rank
 
 if TYPE_CHECKING:
@@ -310,7 +311,7 @@ def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: O
     """
     model.eval()
     device = dist_info.device
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, labels outside
     seen, classes = 0, 0
     start = time.perf_counter()
     show = progress and dist_info.is_main and on_terminal()  # evaluation is short: no lines in a log file
@@ -323,15 +324,19 @@ def evaluate(model: torch.nn.Module, loader, dist_info: DistInfo, num_samples: O
             logits = model(images)
         logits = logits.float()
         classes = logits.shape[1]
+        outside = (targets < 0) | (targets >= classes)  # counted, reported once every rank has reduced them
         hits = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(targets[:, None])
-        sums += torch.stack((F.cross_entropy(logits, targets, reduction='sum').double(),
-                             hits[:, 0].sum().double(), hits.any(dim=1).sum().double()))
+        sums += torch.stack((F.cross_entropy(logits, targets.clamp(0, classes - 1), reduction='sum').double(),
+                             hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), outside.sum().double()))
         seen += keep
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     extra = torch.tensor([float(seen)], dtype=torch.float64).to(device)
-    loss_sum, correct1, correct5, seen = all_reduce_sum(torch.cat((sums, extra))).tolist()
+    loss_sum, correct1, correct5, outside, seen = all_reduce_sum(torch.cat((sums, extra))).tolist()
+    if outside:
+        raise DataError(f'{int(outside)} of {int(seen)} labels are outside the model\'s {classes} classes '
+                        f'(0-{classes - 1}): the data is not what its head was trained for')
     n = max(seen, 1)
     top5 = 100 * correct5 / n if classes > 5 else None  # with 5 classes or fewer every label is in the top 5
     return {'top1': 100 * correct1 / n, 'top5': top5, 'loss': loss_sum / n, 'num_samples': int(seen),
