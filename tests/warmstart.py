@@ -47,7 +47,7 @@ class Done:
         return f"{' '.join(self.args)}\nexit {self.code}\nstdout: {self.out[-1500:]}\nstderr: {self.err[-1500:]}"
 
 
-def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str, status: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS", "").isdigit():  # read by the OpenMP runtime when torch was loaded, in the server
@@ -83,6 +83,8 @@ def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
     atexit._run_exitfuncs()  # as the interpreter does at exit
     sys.stdout.flush()
     sys.stderr.flush()
+    with open(status, "w") as f:  # the exit code as the command left it (``run``)
+        f.write(str(code))
     os._exit(code)
 
 
@@ -98,17 +100,20 @@ def run(args: list[str], cwd: Path, env: Optional[dict[str, str]] = None, timeou
     """``args`` = [python, SCRIPT, ARG...] or [python, "-c", CODE, ARG...] run as described above; stdout, stderr
     and the exit code as ``subprocess.run`` would give them."""
     logs = Path(tempfile.mkdtemp(prefix="warmstart."))
-    out, err = logs / "stdout", logs / "stderr"
+    out, err, status = logs / "stdout", logs / "stderr", logs / "status"
     began = time.perf_counter()
-    process = context().Process(target=_child, args=(list(args), str(cwd), dict(env or os.environ), str(out), str(err)))
+    process = context().Process(target=_child, args=(list(args), str(cwd), dict(env or os.environ), str(out), str(err),
+                                                     str(status)))
     process.start()
     process.join(timeout)
     if process.is_alive():
         process.kill()
         process.join()
     try:
-        code = process.exitcode if process.exitcode is not None else -9
         read = lambda path: path.read_text() if path.exists() else ""  # noqa: E731
+        # the child's own word first: the forkserver reports 255 where it lost the child's status (CPython's
+        # popen_forkserver, "perhaps the forkserver process itself got killed"), seen once in a full suite run
+        code = int(read(status)) if read(status) else process.exitcode if process.exitcode is not None else -9
         return Done(list(args), code, read(out), read(err), time.perf_counter() - began)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
