@@ -15,9 +15,9 @@ the fast run's fits and measures, the capture and the sensitivities of that many
 tokens read before each layer's refinement (``blockwise.converted_calls``: the block before it replayed over the
 fitting images, plus a checking batch of 64 stopped at the layer: ``(L - 1)`` block passes per image and
 ``L (L - 1) / 2`` per checking image), the default's steps for every layer, and the memory the cached tokens and
-sensitivities take. Random weights and images (the cost does not depend on them). Prints a Markdown table;
-take the numbers on a
-quiet machine.
+sensitivities take. ``--bf16-parts``: the sensitivity pass and the step timed again under bfloat16 autocast, and the
+projection with them (the recipe runs both in float32: what bfloat16 units, AVX512-BF16 or AMX, would save). Random
+weights and images (the cost does not depend on them). Prints a Markdown table; take the numbers on a quiet machine.
 """
 from __future__ import annotations
 
@@ -42,6 +42,24 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def parts(source: torch.nn.Module, originals: list, batch: torch.Tensor, layer: torch.nn.Module, refine_steps: int,
+          samples: int, bf16: bool) -> tuple[float, float]:
+    """Seconds of the sensitivity pass per image (``layer_inputs`` of ``source``'s attention layers ``originals`` on
+    ``batch``) and of one refinement step of ``layer`` (copies; 64 images: ``batch`` repeated; minus a zero-step
+    run), under bfloat16 autocast where ``bf16`` (a warm-up pass first)."""
+    with torch.autocast(next(source.parameters()).device.type, torch.bfloat16, enabled=bf16):
+        if bf16:
+            layer_inputs(source, originals, batch[:4], 4, samples, 0)
+        cache, calls = timed(lambda: layer_inputs(source, originals, batch, batch.shape[0], samples, 0))
+        last = calls[-1]
+        repeat = 64 // batch.shape[0]
+        many = [(last[0].float().repeat(repeat, 1, 1), *last[1:3], last[3].float().repeat(repeat, 1, 1, 1))]
+        step, _ = timed(lambda: refine_blocks(originals[-1:], [copy.deepcopy(layer)], many, refine_steps,
+                                              progress=False))
+        none, _ = timed(lambda: refine_blocks(originals[-1:], [copy.deepcopy(layer)], many, 0, progress=False))
+    return cache / batch.shape[0], (step - none) / refine_steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deit_base_patch16_224")
@@ -52,6 +70,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="where the forward passes and the refinement run (cpu, cuda)")
     p.add_argument("--measure-default", action="store_true",
                    help="also run the default effort on --default-images images and time it (a GPU job on DeiT-B)")
+    p.add_argument("--bf16-parts", action="store_true",
+                   help="also time the sensitivity pass and a refinement step under bfloat16 autocast")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the tokens in bfloat16 (default: on CUDA only, as collab-vit convert)")
     args = p.parse_args()
@@ -69,15 +89,10 @@ def main() -> None:
     capture = summary["capture_seconds"] / args.images
     originals = [attn for _, attn in timm_attention_layers(source)]
     batch = images[:16]
-    cache, calls = timed(lambda: layer_inputs(source, originals, batch, 16, recipe.samples, 0))
-    per_image = cache / batch.shape[0]
     model = copy.deepcopy(source)
     convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, recipe)
     layer = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"][-1]
-    many = [(calls[-1][0].repeat(4, 1, 1), *calls[-1][1:3], calls[-1][3].repeat(4, 1, 1, 1))]  # 64 images
-    step, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, args.refine_steps, progress=False))
-    none, _ = timed(lambda: refine_blocks(originals[-1:], [layer], many, 0, progress=False))
-    per_step = (step - none) / args.refine_steps
+    per_image, per_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, False)
     block = enclosing(model, layer)
     inputs = inputs_at(model, block, batch, 16)
     reach, _ = timed(lambda: replay(block, inputs, 16))
@@ -86,8 +101,12 @@ def main() -> None:
     steps = refine_steps(recipe, "blocks", fit)
     depth = len(originals)
     blocks = reach * (fit * (depth - 1) + min(recipe.batch_size, fit) * depth * (depth - 1) / 2)
-    projected = (fast - summary["capture_seconds"]) + capture * args.default_images + per_image * fit \
-        + blocks + steps * depth * per_step
+    rest = (fast - summary["capture_seconds"]) + capture * args.default_images + blocks
+
+    def projection(per_image: float, per_step: float) -> float:
+        return rest + per_image * fit + steps * depth * per_step
+
+    projected = projection(per_image, per_step)
     tokens = cache_bytes(source, originals, images[:1], fit, recipe.samples, 1)  # what the recipe checks
     print(f"{args.model}, key dim {args.key_dim}; {platform.machine()}, {args.device}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
@@ -111,6 +130,11 @@ def main() -> None:
           f"image; one layer's refinement step {per_step:.3f} s (batch 64, {args.refine_steps} steps timed); one "
           f"block's pass {reach:.4f} s per image ({blocks:.0f} s for the converted tokens of every layer); the cached "
           f"tokens and sensitivities of {fit} fitting images, and a layer's working tokens: {tokens / 2**30:.1f} GiB")
+    if args.bf16_parts:
+        low_image, low_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, True)
+        print(f"\nunder bfloat16 autocast: tokens and {recipe.samples} sensitivities {low_image:.3f} s per image "
+              f"({per_image / low_image:.1f}x), one layer's refinement step {low_step:.3f} s "
+              f"({per_step / low_step:.1f}x); the default projected with both: {projection(low_image, low_step):.0f} s")
 
 
 if __name__ == "__main__":
