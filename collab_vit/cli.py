@@ -151,18 +151,21 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, format_summary, parse_key_dim
     from .conversion.recipe import Recipe
+    from .conversion.state import beside
     from .conversion.support import kept_text
     from .hub import save_pretrained
     from .training.config import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
     calibration = _calibration(args)
-    reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
-                              seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
-                              device=args.device, save_folder=save_pretrained, effort=args.effort,
-                              recipe=Recipe(amp=torch.device(args.device).type == "cuda"))
+    with beside(args.out):  # a stopped conversion resumes from <out>.partial, removed once --out is written
+        reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
+                                  seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
+                                  device=args.device, save_folder=save_pretrained, effort=args.effort,
+                                  recipe=Recipe(amp=torch.device(args.device).type == "cuda"))
     print(format_report(reports))
     if reports.summary:
         print(format_summary(reports.summary))
@@ -237,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json")
     convert.add_argument("--seed", type=int, default=0,
                          help="seed of the decompositions, refinement and calibration draw (default: %(default)s)")
-    convert.add_argument("--device", default="cpu", help="forward passes and refinement, e.g. cuda (default: cpu)")
+    convert.add_argument("--device", default=None, help="forward passes and refinement, every tensor of a layer's "
+                         "refinement on it: cpu, cuda, cuda:1 (default: cuda where one is available, as train.py)")
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", choices=list(EFFORTS), default="default",
                       help="fast: closed forms only; default: the better one refined layer by layer (16 passes "

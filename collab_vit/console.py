@@ -20,7 +20,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable, Optional
+
+from tqdm import tqdm
 
 from .weights_io import one_line
 
@@ -66,3 +69,36 @@ def run_command(body: Callable[[], Any], bad_input: Errors, failures: Errors, na
 def _fail(code: int, line: str) -> int:
     print(line, file=sys.stderr, flush=True)
     return code
+
+
+LINE_SECONDS = 30.0  # a plain progress line at most this often (and at the end of each bar)
+
+
+class Lines:
+    """Progress as plain lines for a log file (``desc: n/total, elapsed, ETA``), at most every ``LINE_SECONDS``
+    and once at the end: what a tqdm bar shows on a terminal."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        self.start = self.shown = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self.shown >= LINE_SECONDS or self.n >= self.total:
+            self.shown = now
+            elapsed = now - self.start
+            left = elapsed / self.n * (self.total - self.n) if self.n else float("nan")
+            print(f"{self.desc}: {self.n}/{self.total}, {elapsed:.0f} s, ETA {left:.0f} s", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, show: bool = True) -> Any:
+    """A progress bar of ``total`` updates: tqdm's on a terminal (stderr), ``Lines`` in a log file, nothing without
+    ``show``."""
+    if show and not sys.stderr.isatty():
+        return Lines(total, desc)
+    return tqdm(total=total, desc=desc, disable=not show, dynamic_ncols=True)

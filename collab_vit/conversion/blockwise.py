@@ -10,73 +10,138 @@ removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer
 and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
 backward on the minibatch, not the whole model's (``refine.refine_logits``); the sensitivities and the first layer's
-tokens are held in host memory (``(samples x layers + 1) x images x tokens x D`` floats, and ``WORKING`` token
-tensors of all the images while a layer is refined: ``cache_bytes`` estimates them from one image before the recipe
-starts, and the first batch's measured size is checked again). As in ``refine_logits``, a layer whose mean loss over
-all the images rose keeps its starting weights.
+tokens are held in memory-mapped files of the conversion's state folder (``state.py``: ``(samples x layers + 1) x
+images x tokens x D`` floats, and ``WORKING`` token tensors of all the images while a layer is refined:
+``cache_bytes`` estimates them from one image, checked against the free disk before the recipe starts), so the
+process holds the model and a batch whatever the number of images; the sensitivity pass's batch is cut so that its
+autograd graph stays within ``GRAPH_BYTES``. Each refined layer is committed to the state folder, and a run of the
+same key resumes after the last one committed. As in ``refine_logits``, a layer whose mean loss over all the images
+rose keeps its starting weights.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from tqdm import tqdm
 
+from .. import console
 from ..checks import nonnegative_int, positive_int, positive_real
 from ..layers.construction import parent_module
+from . import state
 from .capture import _kept
 from .refine import RefineResult, _Trainable
 
-WORKING = 3  # token tensors of all the images held beside the cache while a layer is refined: the inputs of the block
-# before it, the layer's tokens, the source layer's outputs on them (``converted_calls``, ``refine_blocks``)
+PARAMS = ("query.weight", "key.weight", "mixing")  # what the refinement trains of a layer (eq. 5), and commits
+WORKING = 4  # token tensors of all the images beside the cache while a layer is refined: the inputs of the block before
+# it and of its own (two buffers swapped block to block), the layer's tokens, the source layer's outputs on them
+# (``converted_calls``, ``refine_blocks``); like the cache, in the store's files (``state.py``), not in memory
 Call = tuple[Optional[Tensor], tuple, dict, Tensor]  # one layer's tokens (images, N, D; None where not held), the
 # other arguments of its calls, and the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)``
 
 
-def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batch_size: int, samples: int,
-                 seed: int = 0, kept: Optional[int] = None) -> list[Call]:
-    """What each of ``layers`` (modules of ``model``) receives on ``images``: the tokens of every image (on the CPU,
-    float32 at least; of the first ``kept`` layers only, None for the others: the refinement reads those from the
-    converted model, ``converted_calls``) and the first call's other arguments (the same for every batch of images of
-    one size), and each layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for ``samples`` classes ``c_s``
-    drawn from the model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output
-    KL that a change ``dy`` of that layer's output causes, to second order (``relative_loss``)."""
-    samples = positive_int(samples, "samples")
-    tokens: list[list[Tensor]] = [[] for _ in layers]
-    grads: list[list[Tensor]] = [[] for _ in layers]
-    outputs: list[Tensor] = []
-    rest: list[Optional[tuple]] = [None for _ in layers]
-    generator = torch.Generator().manual_seed(seed)
+GRAPH_BYTES = 2 ** 30  # the sensitivity pass's autograd graph at most: its batch is cut to fit (DeiT-B: 8 images)
 
-    def hook(index: int):
-        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if kept is None or index < kept:
-                tokens[index].append(_kept(args[0].detach()))
-            if rest[index] is None:
-                rest[index] = (args[1:], dict(kwargs))
-        return record
 
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    handles += [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers]
+def saved_per_image(model: nn.Module, images: Tensor) -> int:
+    """Bytes one image's forward saves for backward: two images' minus one's, measured (the weights do not count)."""
+    def saved(count: int) -> int:
+        total = [0]
+
+        def pack(t: Tensor) -> Tensor:
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            model(images[:count].to(next(model.parameters()).device))
+        return total[0]
+
+    return max(saved(2) - saved(1), 1) if images.shape[0] >= 2 else saved(1)
+
+
+def graph_batch(model: nn.Module, images: Tensor, batch_size: int) -> int:
+    """Images per forward and backward of the sensitivity pass: as many as ``GRAPH_BYTES`` holds, ``batch_size`` at
+    most."""
+    return max(1, min(batch_size, GRAPH_BYTES // saved_per_image(model, images)))
+
+
+@torch.no_grad()
+def probe(model: nn.Module, layers: list[nn.Module], image: Tensor) -> tuple[list[tuple], list[torch.Size],
+                                                                              list[torch.Size]]:
+    """Each layer's other call arguments (the same for every batch), and one image's token and output shapes."""
+    rest: list[tuple] = []
+    shapes: list[torch.Size] = []
+    outs: list[torch.Size] = []
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        rest.append((args[1:], dict(kwargs)))
+        shapes.append(args[0].shape[1:])
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    handles += [layer.register_forward_hook(lambda m, a, out: outs.append(out.shape[1:]) and None) for layer in layers]
     try:
-        device = next(model.parameters()).device
-        for index, chunk in enumerate(images.split(batch_size)):
-            if index == 1:  # the first batch's tokens and sensitivities, measured, for all the images
-                first = sum(t[0].numel() * t[0].element_size() for t in (*tokens, *grads) if t)
-                working = WORKING * grads[0][0][:, 0].numel() * grads[0][0].element_size()
-                check_memory((first + working) * images.shape[0] / chunk.shape[0], first)
-            outputs.clear()
-            with torch.enable_grad():
-                logits = model(chunk.to(device))
-            for layer_grads, g in zip(grads, sensitivities(logits, outputs, samples, generator)):
-                layer_grads.append(g)
+        model(image.to(next(model.parameters()).device))
     finally:
         for handle in handles:
             handle.remove()
-    return [(torch.cat(t) if t else None, *r, torch.cat(g)) for t, r, g in zip(tokens, rest, grads)]
+    return rest, shapes, outs
+
+
+def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batch_size: int, samples: int,
+                 seed: int = 0, kept: Optional[int] = None, show: bool = False) -> list[Call]:
+    """What each of ``layers`` (modules of ``model``) receives on ``images``: the tokens of every image (float32 at
+    least; of the first ``kept`` layers only, None for the others: the refinement reads those from the converted
+    model, ``converted_calls``) and the first call's other arguments (the same for every batch of images of one
+    size), and each layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for ``samples`` classes ``c_s``
+    drawn from the model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output
+    KL that a change ``dy`` of that layer's output causes, to second order (``relative_loss``). Held in the active
+    store's files (``state.allocate``); a store that finished them for its key gives them back without a pass.
+    ``show``: a progress bar over the images."""
+    samples = positive_int(samples, "samples")
+    n = images.shape[0]
+    rest, shapes, outs = probe(model, layers, images[:1])
+    dtype = torch.promote_types(images.dtype, torch.float32)
+    names = [f"tokens-{i}" if kept is None or i < kept else None for i in range(len(layers))]
+    store = state.active()
+    if store is not None:
+        found = [store.kept(f"sensitivities-{i}", (n, samples, *o), dtype) for i, o in enumerate(outs)]
+        held = [store.kept(name, (n, *shape), dtype) if name else None for name, shape in zip(names, shapes)]
+        if all(t is not None for t in found) and all(t is not None for t, name in zip(held, names) if name):
+            return [(t, *r, g) for t, r, g in zip(held, rest, found)]
+    tokens = [state.allocate(name, (n, *shape), dtype) if name else None for name, shape in zip(names, shapes)]
+    grads = [state.allocate(f"sensitivities-{i}", (n, samples, *o), dtype) for i, o in enumerate(outs)]
+    outputs: list[Tensor] = []
+    at = [0]
+    generator = torch.Generator().manual_seed(seed)
+
+    def hook(index: int):
+        def record(module: nn.Module, args: tuple) -> None:
+            if tokens[index] is not None:
+                tokens[index][at[0]:at[0] + args[0].shape[0]] = args[0].detach()
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+    handles += [layer.register_forward_hook(lambda m, a, out: outputs.append(out)) for layer in layers]
+    bar = console.progress(n, "tokens and sensitivities (images)", show)
+    try:
+        device = next(model.parameters()).device
+        for chunk in images.split(graph_batch(model, images, batch_size)):
+            bar.update(chunk.shape[0])
+            outputs.clear()
+            with torch.enable_grad():
+                logits = model(chunk.to(device))
+            for target, g in zip(grads, sensitivities(logits, outputs, samples, generator)):
+                target[at[0]:at[0] + chunk.shape[0]] = g
+            at[0] += chunk.shape[0]
+    finally:
+        bar.close()
+        for handle in handles:
+            handle.remove()
+    if store is not None:
+        for name in [*filter(None, names), *(f"sensitivities-{i}" for i in range(len(layers)))]:
+            store.done(name)
+    return [(t, *r, g) for t, r, g in zip(tokens, rest, grads)]
 
 
 def available_bytes() -> int:
@@ -90,10 +155,10 @@ def available_bytes() -> int:
 
 def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,
                 kept: Optional[int] = None) -> int:
-    """The bytes the blockwise refinement holds for ``images`` images, ``samples`` classes and the tokens of the
-    first ``kept`` layers: each layer's tokens of ``image`` (one image, one forward pass), float32 at least,
-    ``samples`` times and once more for the layers whose tokens are held (``layer_inputs``), and ``WORKING`` times
-    the largest (a layer's refinement), ``images`` times."""
+    """The bytes the blockwise refinement's store holds (on disk: ``state.py``) for ``images`` images, ``samples``
+    classes and the tokens of the first ``kept`` layers: each layer's tokens of ``image`` (one image, one forward
+    pass), float32 at least, ``samples`` times and once more for the layers whose tokens are held (``layer_inputs``),
+    and ``WORKING`` times the largest (a layer's refinement), ``images`` times."""
     sizes: list[int] = []
     handles = [layer.register_forward_pre_hook(lambda m, a: sizes.append(a[0][0].numel() * max(a[0].element_size(), 4)))
                for layer in layers]
@@ -106,16 +171,17 @@ def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images
     return (sum(sizes) * samples + sum(sizes[:kept]) + WORKING * max(sizes)) * images
 
 
-def check_memory(total: float, held: float = 0.0, advice: Optional[Callable[[int], str]] = None) -> None:
-    """A one-line ``MemoryError`` before the cache outgrows the host memory: ``total`` bytes of tokens and
-    sensitivities, ``held`` of them already in memory, against what is available; ``advice(available bytes)``: what
-    to do instead (default: fewer calibration images or ``--effort fast``)."""
-    available = available_bytes()
-    if total - held > available:
-        raise MemoryError(f"the blockwise refinement holds {total / 2**30:.1f} GiB of tokens and "
-                          f"sensitivities for these images; {available / 2**30:.1f} GiB is available: " + (
-                              advice(available) if advice is not None else
-                              "use fewer calibration images (--calibration-images) or --effort fast"))
+def check_space(disk: float, memory: float, advice: Callable[[int, int], str]) -> None:
+    """A one-line ``MemoryError`` before any work where the store's files (``disk`` bytes: tokens and sensitivities,
+    ``cache_bytes``) would not fit on the disk of the state folder, or what the conversion holds in memory
+    (``memory`` bytes) in the host's; ``advice(free disk, available memory)``: what to do instead."""
+    free, available = state.disk_free(), available_bytes()
+    if disk > free:
+        raise MemoryError(f"the blockwise refinement writes {disk / 2**30:.1f} GiB of tokens and sensitivities beside "
+                          f"the output; {free / 2**30:.1f} GiB is free there: {advice(free, available)}")
+    if memory > available:
+        raise MemoryError(f"the calibrated conversion holds {memory / 2**30:.1f} GiB in memory for these images; "
+                          f"{available / 2**30:.1f} GiB is available: {advice(free, available)}")
 
 
 def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator) -> list[Tensor]:
@@ -146,14 +212,15 @@ def mean_loss(layer: nn.Module, call: Call, target: Tensor, batch_size: int, dev
                                    device)) for s in range(0, call[0].shape[0], batch_size))
 
 
-def filled(n: int, batch_size: int, part: Callable[[slice], Tensor]) -> Tensor:
+def filled(n: int, batch_size: int, part: Callable[[slice], Tensor], name: Optional[str] = None) -> Tensor:
     """``part(batch)`` for the batches of ``n`` items, written into one tensor allocated at the first batch (no
-    second copy of all of them, as ``torch.cat`` of the parts would make)."""
+    second copy of all of them, as ``torch.cat`` of the parts would make): the active store's file ``name``
+    (``state.allocate``), in memory without a name."""
     out: Optional[Tensor] = None
     for s in range(0, n, batch_size):
         piece = part(slice(s, min(s + batch_size, n)))
         if out is None:
-            out = piece.new_empty((n, *piece.shape[1:]))
+            out = state.allocate(name, (n, *piece.shape[1:]), piece.dtype)
         out[s:s + piece.shape[0]] = piece
     assert out is not None, "no items"
     return out
@@ -162,7 +229,7 @@ def filled(n: int, batch_size: int, part: Callable[[slice], Tensor]) -> Tensor:
 @torch.no_grad()
 def source_outputs(source: nn.Module, call: Call, batch_size: int, device: torch.device) -> Tensor:
     x, args, kwargs, _ = call
-    return filled(x.shape[0], batch_size, lambda b: _kept(source(x[b].to(device), *args, **kwargs)))
+    return filled(x.shape[0], batch_size, lambda b: _kept(source(x[b].to(device), *args, **kwargs)), "targets")
 
 
 class _Reached(Exception):
@@ -170,7 +237,8 @@ class _Reached(Exception):
 
 
 @torch.no_grad()
-def inputs_at(model: nn.Module, module: nn.Module, images: Tensor, batch_size: int) -> tuple[Tensor, tuple, dict]:
+def inputs_at(model: nn.Module, module: nn.Module, images: Tensor, batch_size: int, name: Optional[str] = None
+              ) -> tuple[Tensor, tuple, dict]:
     """What ``module`` (of ``model``) receives on ``images`` from the model as it is now, batch by batch, each forward
     pass stopped there: its first argument (on the CPU, float32 at least) and the first call's other arguments."""
     seen: list[Tensor] = []
@@ -191,19 +259,19 @@ def inputs_at(model: nn.Module, module: nn.Module, images: Tensor, batch_size: i
     handle = module.register_forward_pre_hook(record, with_kwargs=True)
     device = next(model.parameters()).device
     try:
-        return filled(images.shape[0], batch_size, part), *rest[0]
+        return filled(images.shape[0], batch_size, part, name), *rest[0]
     finally:
         handle.remove()
 
 
 def tokens_at(model: nn.Module, layer: nn.Module, images: Tensor, batch_size: int) -> Tensor:
     """What ``layer`` receives on ``images`` from the model as it is now (``inputs_at``'s tokens)."""
-    return inputs_at(model, layer, images, batch_size)[0]
+    return inputs_at(model, layer, images, batch_size, "tokens")[0]
 
 
 @torch.no_grad()
 def replay(block: nn.Module, inputs: tuple[Tensor, tuple, dict], batch_size: int,
-           stop: Optional[nn.Module] = None) -> Tensor:
+           stop: Optional[nn.Module] = None, name: Optional[str] = None) -> Tensor:
     """``block`` called on ``inputs`` (``inputs_at``'s) batch by batch: its outputs, or with ``stop`` (a module inside
     it) what ``stop`` receives (on the CPU, float32 at least)."""
     x, args, kwargs = inputs
@@ -223,7 +291,7 @@ def replay(block: nn.Module, inputs: tuple[Tensor, tuple, dict], batch_size: int
 
     handle = None if stop is None else stop.register_forward_pre_hook(record)
     try:
-        return filled(x.shape[0], batch_size, part)
+        return filled(x.shape[0], batch_size, part, name)
     finally:
         if handle is not None:
             handle.remove()
@@ -250,15 +318,15 @@ def converted_calls(model: nn.Module, layers: list[nn.Module], calls: list[Call]
     for index, (layer, call) in enumerate(zip(layers, calls)):
         if index == 0:
             yield call
-            carried = inputs_at(model, blocks[0], images, batch_size)
+            carried = inputs_at(model, blocks[0], images, batch_size, "carried-0")
             continue
         if carried is not None:
             reference = inputs_at(model, blocks[index], images[:batch_size], batch_size)
-            outputs = replay(blocks[index - 1], carried, batch_size)
+            outputs = replay(blocks[index - 1], carried, batch_size, name=f"carried-{index % 2}")
             same = torch.equal(outputs[:batch_size], reference[0])
             carried = (outputs, *reference[1:]) if same else None
             del outputs  # held once, as ``carried``; the yielded tokens are not held here (``WORKING``)
-        yield (replay(blocks[index], carried, batch_size, stop=layer) if carried is not None
+        yield (replay(blocks[index], carried, batch_size, stop=layer, name="tokens") if carried is not None
                else tokens_at(model, layer, images, batch_size), *call[1:])
 
 
@@ -278,37 +346,64 @@ def refine_blocks(sources: list[nn.Module], layers: list[nn.Module], calls: Iter
     losses = [0.0] * steps
     kept = False
     start = time.perf_counter()
-    bar = tqdm(total=steps * len(layers), desc="refine (each layer's output)", disable=not progress)
     calls = iter(calls)
+    store = state.active()
     for number, (source, layer) in enumerate(zip(sources, layers)):
         call = next(calls)  # the layer before's tokens and outputs already let go (``WORKING``)
-        generator = torch.Generator().manual_seed(seed + number)
+        bar = console.progress(steps, f"refine layer {number + 1}/{len(layers)} (its output)", progress)
         params = [layer.query.weight, layer.key.weight, layer.mixing]
-        device = params[0].device
-        with _Trainable([source, layer], params):
-            target = source_outputs(source, call, batch_size, device)
-            first = mean_loss(layer, call, target, batch_size, device)
-            start_weights = [p.detach().clone() for p in params]
-            optimizer = torch.optim.Adam(params, lr=lr)
-            for step in range(steps):
-                index = torch.randperm(call[0].shape[0], generator=generator)[:batch_size]
-                loss = relative_loss(layer, call, target, index, device)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                losses[step] += loss.item()
-                bar.update()
-                if on_step is not None:
-                    on_step(number, step + 1)
-            last = mean_loss(layer, call, target, batch_size, device)
-            if last > first:
-                kept = True
-                last = first
-                with torch.no_grad():
-                    for p, weight in zip(params, start_weights):
-                        p.copy_(weight)
-            del call, target
-        before, after = before + first, after + last
-    bar.close()
+        done = store.layer(number) if store is not None else None
+        if done is not None:  # committed by a run of the same key that stopped later: its weights, not its steps
+            weights, info = done
+            with torch.no_grad():
+                for name, p in zip(PARAMS, params):
+                    p.copy_(weights[name])
+            bar.update(steps)
+        else:
+            info = refine_layer(source, layer, call, steps, (lr, batch_size, seed + number),
+                                on_step and (lambda step: on_step(number, step)), bar)
+            if store is not None:
+                store.commit(number, dict(zip(PARAMS, params)), info)
+        del call
+        bar.close()
+        before, after, kept = before + info["first"], after + info["last"], kept or info["kept"]
+        losses = [a + b for a, b in zip(losses, info["losses"])]
     return RefineResult(steps, time.perf_counter() - start, losses[0] if steps else float("nan"),
                         losses[-1] if steps else float("nan"), before, after, kept, losses)
+
+
+def refine_layer(source: nn.Module, layer: nn.Module, call: Call, steps: int, settings: tuple[float, int, int],
+                 on_step: Optional[Callable[[int], None]], bar: Any) -> dict:
+    """``steps`` Adam steps (``settings``: lr, batch size, the seed of its minibatches) on one layer's ``W~q, W~k, M``
+    (``refine_blocks``); its starting weights put back where the mean loss rose. Returns its mean losses before and
+    after, whether it kept its start, and each step's minibatch loss."""
+    lr, batch_size, seed = settings
+    generator = torch.Generator().manual_seed(seed)
+    params = [layer.query.weight, layer.key.weight, layer.mixing]
+    device = params[0].device
+    losses = []
+    with _Trainable([source, layer], params):
+        target = source_outputs(source, call, batch_size, device)
+        if device.type != "cpu":  # the layer's working set (tokens, outputs, sensitivities) on the device
+            call, target = (call[0].to(device), *call[1:3], call[3].to(device)), target.to(device)
+        first = mean_loss(layer, call, target, batch_size, device)
+        start_weights = [p.detach().clone() for p in params]
+        optimizer = torch.optim.Adam(params, lr=lr)
+        for step in range(steps):
+            index = torch.randperm(call[0].shape[0], generator=generator)[:batch_size]
+            loss = relative_loss(layer, call, target, index, device)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            bar.update()
+            if on_step is not None:
+                on_step(step + 1)
+        last = mean_loss(layer, call, target, batch_size, device)
+        kept = last > first
+        if kept:
+            last = first
+            with torch.no_grad():
+                for p, weight in zip(params, start_weights):
+                    p.copy_(weight)
+    return {"first": first, "last": last, "kept": kept, "losses": losses}

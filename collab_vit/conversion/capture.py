@@ -8,12 +8,15 @@ batch (nothing but D x D sums is kept) and only the held-out images' tokens are 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 from timm.layers import Attention
 from torch import Tensor
 
 from .calibration import TokenMoments
+from .state import allocate
 
 
 def _bytes(t: Tensor) -> int:
@@ -52,7 +55,7 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
     The peak counts the stored held-out tokens (the moments are D x D per layer).
     """
     moments = [new_moments(model, attn) for _, attn in layers]
-    held: list[list[Tensor]] = [[] for _ in layers]
+    held: list[Optional[Tensor]] = [None for _ in layers]
     start = [0]
 
     def hook(index: int):
@@ -62,7 +65,11 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
             if cut:
                 moments[index].update(x[:cut])
             if cut < x.shape[0]:
-                held[index].append(_kept(x[cut:]))
+                kept = _kept(x[cut:])
+                if held[index] is None:  # the active store's file (``state.allocate``), in memory without one
+                    held[index] = allocate(f"held-{index}", (images.shape[0] - fit, *kept.shape[1:]), kept.dtype)
+                at = start[0] + cut - fit
+                held[index][at:at + kept.shape[0]] = kept
         return record
 
     handles = [attn.register_forward_pre_hook(hook(i)) for i, (_, attn) in enumerate(layers)]
@@ -75,5 +82,4 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
     finally:
         for handle in handles:
             handle.remove()
-    tokens = [torch.cat(h) if h else None for h in held]
-    return moments, tokens, sum(_bytes(t) for t in tokens if t is not None), torch.cat(outputs)
+    return moments, held, sum(_bytes(t) for t in held if t is not None), torch.cat(outputs)

@@ -37,7 +37,9 @@ from .decompose import energy_spectrum, relative_error
 from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, head_factors
 from .guard import Verdict, held_out_split, judge
-from .blockwise import cache_bytes, check_memory, converted_calls, layer_inputs, refine_blocks
+from . import state
+from .blockwise import (GRAPH_BYTES, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
+                        saved_per_image)
 from .refine import per_image_kl, refine_logits
 from .views import augmented_views, check_kind
 
@@ -238,7 +240,14 @@ class RecipeRun:
                  method: str = "tucker", seed: int = 0, builder: Builder = STANDARD) -> None:
         self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
         self.builder, self.originals = builder, [attn for _, attn in layers]
-        self.source = capture(model, layers, images, recipe, seed)
+        self.store = state.Store(state.fingerprint(model, images, recipe.__dict__, method, seed,
+                                                   type(builder.fit).__name__ if builder.fit else "standard"))
+        try:
+            with self.store.use():
+                self.source = capture(model, layers, images, recipe, seed)
+        except BaseException:
+            self.store.close()
+            raise
         patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
         weight = recipe.prefix_weight
         if weight == "balanced" and patches is None:
@@ -317,8 +326,9 @@ class RecipeRun:
             self.calls = None  # not held twice
             for (name, _), original in zip(self.layers, self.originals):
                 replace_submodule(self.model, name, original)
-            self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
-                                      self.recipe.samples, self.seed, None if every_layer else 1)
+            with self.store.use():
+                self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
+                                          self.recipe.samples, self.seed, None if every_layer else 1, self.progress)
         return self.calls
 
     def blockwise(self, base: Candidate, steps: int, on_step: Optional[Callable[[nn.Module, int, int], None]] = None
@@ -332,39 +342,90 @@ class RecipeRun:
         self.install(fits)
         r = self.recipe
         layers = [f.layer for f in fits]
-        result = refine_blocks(self.originals, layers,
-                               converted_calls(self.model, layers, calls, self.source.inputs, r.batch_size), steps,
-                               r.refine_lr, r.batch_size, self.seed, self.progress,
-                               on_step and (lambda index, step: on_step(layers[index], index, step)))
+        if self.store.refining(state.fingerprint(layers, steps)) and self.progress:
+            print(f"resuming: {len(self.store.state['layers'])} of {len(layers)} layers refined by a stopped run of "
+                  f"this command ({self.store.folder})", flush=True)
+        with self.store.use():
+            result = refine_blocks(self.originals, layers,
+                                   converted_calls(self.model, layers, calls, self.source.inputs, r.batch_size),
+                                   steps, r.refine_lr, r.batch_size, self.seed, self.progress,
+                                   on_step and (lambda index, step: on_step(layers[index], index, step)))
         self.tensor_errors(fits)
         return self.measure(Candidate(f"{base.name}+blocks", fits, refine={
             "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "samples": r.samples,
             "loss_before": result.kl_before, "loss_after": result.kl_after, "kept_start": result.kept_start}))
 
     def finish(self, best: Candidate) -> None:
-        """``best`` installed for good; the source layers back in eval mode."""
+        """``best`` installed for good; the source layers back in eval mode; the store's scratch files removed."""
         self.install(best.fits)
         for original in self.originals:
             original.eval()
+        self.store.close()
 
 
-def memory_checked(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe) -> None:
-    """The blockwise refinement's memory (``blockwise.cache_bytes``, linear in the fitting images) for ``images``
-    checked against the host's before any work; a refusal names how many calibration images would fit."""
+# the parts' seconds per image in forward passes of the source (``Plan.seconds``), measured on DeiT-B on a 2-core CPU
+# (benchmarks/data_aware_bench.md): the capture 1; the sensitivity pass about 1 + 1 per class drawn; a refinement step,
+# every layer's, about 0.94 per image and pass; the converted tokens about 0.8; a held-out measure 1 per candidate
+COST = {"capture": 1.0, "sensitivity": 1.0, "per_class": 1.0, "step": 0.94, "replay": 0.8}
+
+
+@dataclass
+class Plan:
+    """What a calibrated conversion will hold and take, known before its first image (``plan``)."""
+
+    images: int
+    fit: int
+    passes: float  # of each layer's refinement over the fitting images (0: none)
+    disk: int  # bytes of the state folder's files (``blockwise.cache_bytes``)
+    memory: int  # bytes held in memory: the images, the sensitivity pass's graph, the model and its copy
+    seconds: float  # projected on this machine, the closed-form fits aside
+    device: str
+
+    def line(self) -> str:
+        refine = f", each layer refined in {self.passes:g} passes" if self.passes else ""
+        disk = f", {self.disk / 2**30:.1f} GiB on disk beside the output" if self.passes else ""
+        return (f"calibrated conversion: {self.images} images ({self.fit} fitted, {self.images - self.fit} held out)"
+                f"{refine}; holds {self.memory / 2**30:.1f} GiB in memory{disk}; about {self.seconds / 60:.0f} min "
+                f"on this {self.device} beside the closed-form fits")
+
+
+def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, steps: int,
+         starts: int) -> Plan:
+    """The conversion's ``Plan`` for ``images`` and ``steps`` refinement steps per layer (``starts`` closed forms
+    measured): its disk and memory checked against the host's before any work (a refusal names how many calibration
+    images would fit) and its time projected from one timed forward pass (``COST``)."""
     per_image = cache_bytes(model, [a for _, a in layers], images[:1], 1, recipe.samples, 1)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    graph = min(GRAPH_BYTES, saved_per_image(model, images[:2]) * recipe.batch_size) if steps else 0
 
-    def fits(m: int, available: int) -> bool:
+    def needs(m: int) -> tuple[int, int]:
+        return split(m, recipe.holdout) * per_image if steps else 0, m * images[0].numel() * 4 + graph + 2 * weights
+
+    def fits(m: int, free: int, available: int) -> bool:
         try:
-            return split(m, recipe.holdout) * per_image <= available
+            disk, memory = needs(m)
         except ValueError:  # a holdout of at least ``m``
             return False
+        return disk <= free and memory <= available
 
-    def advice(available: int) -> str:
-        most = next((m for m in range(images.shape[0] - 1, 1, -1) if fits(m, available)), None)
+    def advice(free: int, available: int) -> str:
+        most = next((m for m in range(images.shape[0] - 1, 1, -1) if fits(m, free, available)), None)
         return (f"use at most {most} calibration images (--calibration-images {most}) or --effort fast"
-                if most is not None else "too little for two images' cache: use --effort fast")
+                if most is not None else "too little for two images: use --effort fast")
 
-    check_memory(split(images.shape[0], recipe.holdout) * per_image, advice=advice)
+    disk, memory = needs(images.shape[0])
+    check_space(disk, memory, advice=advice)
+    n, fit = images.shape[0], split(images.shape[0], recipe.holdout)
+    passes = steps * recipe.batch_size / fit if steps else 0.0
+    batch = images[:8]
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(batch.to(next(model.parameters()).device))
+        forward = (time.perf_counter() - start) / batch.shape[0]
+    c = COST
+    units = n * c["capture"] + (n - fit or n) * (starts + 1) + (fit * (
+        c["sensitivity"] + c["per_class"] * recipe.samples + c["replay"] + c["step"] * passes) if steps else 0)
+    return Plan(n, fit, passes, disk, memory, forward * units, next(model.parameters()).device.type.upper())
 
 
 def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Candidate, dict[str, Verdict]]:
@@ -393,14 +454,26 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyD
     steps = {kind: refine_steps(recipe, kind, fit) for kind in kinds}
     if not steps.get("refine"):
         recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored
-    if steps.get("blocks"):  # a cache that cannot fit is refused before any work (and checked again as it fills)
-        memory_checked(model, layers, images, recipe)
+    planned = plan(model, layers, images, recipe, steps.get("blocks", 0), len(builder.starts))  # refused if too big
+    if progress:
+        print(planned.line(), flush=True)
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
+    run.progress = progress
+    try:
+        return run_candidates(run, spec, effort, steps, pinned)
+    except BaseException:  # the scratch files go; the committed layers stay for the same command run again
+        run.store.close()
+        raise
+
+
+def run_candidates(run: RecipeRun, spec: KeyDimSpec, effort: str, steps: dict[str, int],
+                   pinned: Optional[list[str]]) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
+    """``calibrated``'s candidates fitted, refined, measured and chosen on ``run``."""
+    builder, layers, method, recipe, seed = run.builder, run.layers, run.method, run.recipe, run.seed
     dims = run.dims(spec)
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
-    run.progress, run.bar = progress, tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}",
-                                           disable=not progress)
-    with torch.autocast(next(model.parameters()).device.type, enabled=False):  # fits, refinement and measures
+    run.bar = tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}", disable=not run.progress)
+    with torch.autocast(next(run.model.parameters()).device.type, enabled=False):  # fits, refinement and measures
         found = {name: run.fit_start(name, dims[name]) for name in starts}  # at full precision
         run.bar.close()
         ranked = sorted(starts, key=lambda s: found[s].held_kl)
