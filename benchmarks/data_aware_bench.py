@@ -1,5 +1,7 @@
 """Cost of the calibrated conversion (the recipe) next to the weight-only one on DeiT-B, on this machine.
 
+    python benchmarks/data_aware_bench.py --end-to-end                     # the default, run end to end: time, memory
+
     python benchmarks/data_aware_bench.py                                  # DeiT-B, key dim 384, CPU
     python benchmarks/data_aware_bench.py --device cuda                    # the same on a GPU (bfloat16 capture)
     python benchmarks/data_aware_bench.py --device cuda --measure-default  # and the default effort, run and timed
@@ -23,8 +25,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import timm
 import torch
@@ -60,8 +68,79 @@ def parts(source: torch.nn.Module, originals: list, batch: torch.Tensor, layer: 
     return cache / batch.shape[0], (step - none) / refine_steps
 
 
+def tree_resident(pid: int) -> int:
+    """``RssAnon + RssShmem`` of process ``pid`` and its descendants, bytes (the page cache of files they map, such as
+    the conversion's state files, is not theirs)."""
+    total, children = 0, []
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        total = sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    return total + sum(tree_resident(c) for c in children)
+
+
+def run_measured(command: list[str], log: Path) -> tuple[float, int, int]:
+    """``command`` in a fresh process (output to ``log``): wall seconds, peak resident bytes of its tree (sampled every
+    0.2 s) and exit code."""
+    peak, start = 0, time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            peak = max(peak, tree_resident(process.pid))
+            time.sleep(0.2)
+    return time.perf_counter() - start, peak, process.returncode
+
+
+def image_folder(root: Path, count: int, size: int) -> Path:
+    """``count`` seeded random RGB images as PNGs in one class folder (any image folder serves: the cost does not
+    depend on what the images show)."""
+    from PIL import Image
+
+    folder = root / "images" / "noise"
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(count):
+        pixels = torch.randint(0, 256, (size, size, 3), dtype=torch.uint8, generator=generator)
+        Image.fromarray(pixels.numpy()).save(folder / f"{i:05d}.png")
+    return root / "images"
+
+
+def end_to_end(args: argparse.Namespace) -> None:
+    """The weight-only and the default calibrated ``collab-vit convert`` of ``--model`` (``--checkpoint none``: its
+    architecture) timed end to end in fresh processes, one after the other, with their peak resident memory."""
+    cli = [sys.executable, "-m", "collab_vit.cli", "convert", "--model", args.model, "--checkpoint", "none",
+           "--key-dim", str(args.key_dim), "--device", args.device]
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        root = Path(tmp)
+        data = image_folder(root, args.default_images, 256)
+        rows = [("weight-only", run_measured([*cli, "--out", str(root / "w.safetensors")], root / "w.log"))]
+        calibrated = [*cli, "--out", str(root / "c.safetensors"), "--calibration-data-dir", str(data),
+                      *args.convert_args]
+        rows.append((f"calibrated, {' '.join(args.convert_args) or 'the defaults'}",
+                     run_measured(calibrated, root / "c.log")))
+        first = (root / "c.log").read_text().splitlines()
+        print(f"{args.model}, key dim {args.key_dim}, {args.default_images} images in the folder; {platform.machine()}, "
+              f"{args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
+        print("| conversion (fresh process, end to end) | wall s | peak RssAnon+RssShmem GiB | x weight-only | exit |\n"
+              "|---|---:|---:|---:|---:|")
+        for name, (wall, peak, code) in rows:
+            print(f"| {name} | {wall:.0f} | {peak / 2**30:.2f} | {wall / rows[0][1][0]:.1f} | {code} |")
+        print("\nits first line: " + next((line for line in first if line.startswith("calibrated conversion")), "-"))
+        print("its last lines:\n" + "\n".join(first[-4:]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--end-to-end", action="store_true",
+                   help="time weight-only and the default calibrated `collab-vit convert` in fresh processes with "
+                   "their peak memory (--default-images images in a folder of noise PNGs)")
+    p.add_argument("--convert-args", nargs="*", default=[], help="more options of the calibrated command")
+    p.add_argument("--workdir", default=None, help="where the images and state folder go (default: the temp dir)")
     p.add_argument("--model", default="deit_base_patch16_224")
     p.add_argument("--images", type=int, default=256, help="calibration images of the timed fast run")
     p.add_argument("--default-images", type=int, default=DEFAULT_IMAGES, help="images of the projected default")
@@ -75,6 +154,8 @@ def main() -> None:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the tokens in bfloat16 (default: on CUDA only, as collab-vit convert)")
     args = p.parse_args()
+    if args.end_to_end:
+        return end_to_end(args)
     device = torch.device(args.device)
     amp = device.type == "cuda" if args.amp is None else args.amp
     torch.manual_seed(0)

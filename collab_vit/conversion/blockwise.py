@@ -42,7 +42,7 @@ Call = tuple[Optional[Tensor], tuple, dict, Tensor]  # one layer's tokens (image
 # other arguments of its calls, and the output sensitivities (images, S, N, D) of ``layer_inputs(samples=S)``
 
 
-GRAPH_BYTES = 2 ** 30  # the sensitivity pass's autograd graph at most: its batch is cut to fit (DeiT-B: 8 images)
+GRAPH_BYTES = 2 ** 29  # the sensitivity pass's autograd graph at most: its batch is cut to fit (DeiT-B: 4 images)
 
 
 def saved_per_image(model: nn.Module, images: Tensor) -> int:
@@ -131,8 +131,9 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
             outputs.clear()
             with torch.enable_grad():
                 logits = model(chunk.to(device))
-            for target, g in zip(grads, sensitivities(logits, outputs, samples, generator)):
-                target[at[0]:at[0] + chunk.shape[0]] = g
+            for sample, drawn in enumerate(sensitivities(logits, outputs, samples, generator)):
+                for target, g in zip(grads, drawn):
+                    target[at[0]:at[0] + chunk.shape[0], sample] = g
             at[0] += chunk.shape[0]
     finally:
         bar.close()
@@ -151,6 +152,16 @@ def available_bytes() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return 2 ** 62
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now, ``RssAnon + RssShmem`` (Linux; elsewhere 0)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        return 0
 
 
 def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,
@@ -184,17 +195,16 @@ def check_space(disk: float, memory: float, advice: Callable[[int, int], str]) -
                           f"{available / 2**30:.1f} GiB is available: {advice(free, available)}")
 
 
-def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator) -> list[Tensor]:
+def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator
+                  ) -> Iterator[list[Tensor]]:
     """``d log p(c_s | x) / d y`` for every output ``y`` in ``outputs`` (B, N, D each) and ``samples`` classes drawn
-    per image from ``softmax(logits)``: one (B, S, N, D) tensor per output, on the CPU, float32 at least."""
+    per image from ``softmax(logits)``: for each class drawn in turn, one (B, N, D) tensor per output, on the CPU,
+    float32 at least (one class's at a time in memory)."""
     log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     drawn = torch.multinomial(log_p.detach().exp().cpu(), samples, replacement=True, generator=generator)
-    per_sample = []
     for s in range(samples):
         picked = log_p.gather(1, drawn[:, s:s + 1].to(log_p.device)).sum()  # images are independent: one backward
-        per_sample.append([_kept(g.detach()) for g in torch.autograd.grad(picked, outputs,
-                                                                                retain_graph=True)])
-    return [torch.stack([sample[i] for sample in per_sample], dim=1) for i in range(len(outputs))]
+        yield [_kept(g.detach()) for g in torch.autograd.grad(picked, outputs, retain_graph=s + 1 < samples)]
 
 
 def relative_loss(layer: nn.Module, call: Call, target: Tensor, index: Tensor, device: torch.device) -> Tensor:

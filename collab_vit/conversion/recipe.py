@@ -39,7 +39,7 @@ from .fit import LayerFit, fit_attention, head_factors
 from .guard import Verdict, held_out_split, judge
 from . import state
 from .blockwise import (GRAPH_BYTES, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
-                        saved_per_image)
+                        resident_bytes, saved_per_image)
 from .refine import per_image_kl, refine_logits
 from .views import augmented_views, check_kind
 
@@ -377,7 +377,7 @@ class Plan:
     fit: int
     passes: float  # of each layer's refinement over the fitting images (0: none)
     disk: int  # bytes of the state folder's files (``blockwise.cache_bytes``)
-    memory: int  # bytes held in memory: the images, the sensitivity pass's graph, the model and its copy
+    memory: int  # bytes held in memory: the process, the images, the sensitivity pass's graph, the converted copy
     seconds: float  # projected on this machine, the closed-form fits aside
     device: str
 
@@ -396,10 +396,12 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     images would fit) and its time projected from one timed forward pass (``COST``)."""
     per_image = cache_bytes(model, [a for _, a in layers], images[:1], 1, recipe.samples, 1)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    graph = min(GRAPH_BYTES, saved_per_image(model, images[:2]) * recipe.batch_size) if steps else 0
+    # the sensitivity pass's graph and as much again for its backward's gradients, beside the process as it is now
+    # (the source model in it) and the converted copy
+    fixed = resident_bytes() + weights + 2 * min(GRAPH_BYTES, saved_per_image(model, images[:2]) * recipe.batch_size)
 
     def needs(m: int) -> tuple[int, int]:
-        return split(m, recipe.holdout) * per_image if steps else 0, m * images[0].numel() * 4 + graph + 2 * weights
+        return split(m, recipe.holdout) * per_image if steps else 0, m * images[0].numel() * 4 + fixed
 
     def fits(m: int, free: int, available: int) -> bool:
         try:
