@@ -27,7 +27,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.models import parse_model_name
 from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
-from timm.utils import ModelEmaV3, NativeScaler
+from timm.utils import ModelEmaV3, NativeScaler, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
@@ -69,8 +69,8 @@ class Run:
 
     @property
     def unwrapped(self) -> torch.nn.Module:
-        """The model without its DDP wrapper."""
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        """The model without its DDP and ``torch.compile`` wrappers (timm's ``unwrap_model``): plain parameter names."""
+        return unwrap_model(self.model)
 
     @property
     def updates_per_epoch(self) -> int:
@@ -152,17 +152,20 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.opt
 def _wrap(cfg: TrainConfig, model: torch.nn.Module, dist_info: DistInfo, ckpt: Optional[Dict[str, Any]],
           ckpt_path: str) -> Tuple[torch.nn.Module, Optional[ModelEmaV3]]:
     """DDP (which broadcasts rank 0's weights and buffers: every rank then trains from them), then the EMA, from the
-    weights each rank trains (with ``ckpt``'s EMA weights when resuming)."""
+    weights each rank trains (with ``ckpt``'s EMA weights when resuming), then ``torch.compile`` (``torchcompile``),
+    in timm's train.py's order: the EMA, checkpoints and exports hold the plain model."""
     if dist_info.distributed:
         device = dist_info.device
         model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if device.type == 'cuda' else None)
-    if not cfg.model_ema:
-        return model, None
-    inner = model.module if dist_info.distributed else model
-    model_ema = ModelEmaV3(inner, decay=cfg.model_ema_decay, device='cpu' if cfg.model_ema_force_cpu else None)
-    if ckpt is not None and ckpt.get('model_ema') is not None:
-        ema = model_ema.module
-        ema.load_state_dict(fit_state(ema, ckpt['model_ema'], ckpt_path + ' (EMA)'))
+    model_ema = None
+    if cfg.model_ema:
+        inner = model.module if dist_info.distributed else model
+        model_ema = ModelEmaV3(inner, decay=cfg.model_ema_decay, device='cpu' if cfg.model_ema_force_cpu else None)
+        if ckpt is not None and ckpt.get('model_ema') is not None:
+            ema = model_ema.module
+            ema.load_state_dict(fit_state(ema, ckpt['model_ema'], ckpt_path + ' (EMA)'))
+    if cfg.torchcompile:
+        model = torch.compile(model, backend=cfg.torchcompile)
     return model, model_ema
 
 

@@ -72,6 +72,8 @@ class TrainConfig:
     img_size: int = setting(224, 'input image size in pixels (square)')
     in_chans: int = setting(3, 'image channels (1 for grayscale data such as Fashion-MNIST)')
     drop_path: float = setting(0.1, 'stochastic depth rate')
+    torchcompile: str = setting('', "torch.compile the model with this backend, as timm's train.py (the flag alone: "
+                                    "inductor); '' = eager")
     checkpoint: str = setting('', 'initial weights: a training checkpoint, .safetensors export, timm/DeiT .pth or a '
                                   'save_pretrained folder (fine-tuning)')
     data_dir: str = setting('', 'dataset root (ImageFolder with train/ and val/, tar files, WebDataset shards, ...)')
@@ -294,6 +296,15 @@ def check_key_dim_value(value: Any, where: str) -> None:
                           f"or a list of them, one per block)")
 
 
+def check_compile_backend(backend: str, where: str) -> None:
+    """``torchcompile``: a backend ``torch.compile`` knows (``torch._dynamo.list_backends``, debug ones included)."""
+    import torch._dynamo  # noqa: PLC0415  (only when compiling: the import takes a second)
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(f"bad value {backend!r} for 'torchcompile' in {where} (expected a torch.compile backend: "
+                          f"{', '.join(b for b in known if 'TESTING' not in b)})")
+
+
 def check_values(cfg: TrainConfig, where: str) -> None:
     """Range checks of a typed config: one ConfigError naming the key, its value and the allowed range."""
     for key, low, high, open_low in RANGES:
@@ -304,6 +315,8 @@ def check_values(cfg: TrainConfig, where: str) -> None:
             raise ConfigError(f"bad value {value!r} for '{key}' in {where} (expected a number {bound})")
     if cfg.amp_dtype not in ('bfloat16', 'bf16', 'float16', 'fp16'):
         raise ConfigError(f"bad value {cfg.amp_dtype!r} for 'amp_dtype' in {where} (expected bfloat16 or float16)")
+    if cfg.torchcompile:
+        check_compile_backend(cfg.torchcompile, where)
     if 'key_dim' in cfg.model_kwargs:
         check_key_dim_value(cfg.model_kwargs['key_dim'], where)
 
@@ -315,7 +328,7 @@ def save_config(cfg: TrainConfig, path: str) -> None:
 
 
 GROUPS_KEYS: Dict[str, str] = {  # the --help groups, as in timm's train.py
-    'model': 'model model_kwargs num_classes img_size in_chans drop_path checkpoint',
+    'model': 'model model_kwargs num_classes img_size in_chans drop_path torchcompile checkpoint',
     'data': 'data_dir dataset train_split val_split dataset_download mean std num_workers pin_memory '
             'persistent_workers skip_bad_images',
     'augmentation': 'aa reprob remode recount hflip color_jitter scale train_interpolation crop_pct mixup cutmix '
@@ -339,6 +352,7 @@ ALIASES: Dict[str, str] = {
     'data': 'data_dir', 'drop_path_rate': 'drop_path', 'interpolation': 'train_interpolation',
 }
 SHORT: Dict[str, str] = {'-j': 'num_workers', '-b': 'batch_size'}
+BARE: Dict[str, str] = {'torchcompile': 'inductor'}  # the value of a flag given alone (timm's --torchcompile)
 
 
 def _dash(key: str) -> str:
@@ -383,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(*names, dest=key, nargs='*', metavar=metavar, default=argparse.SUPPRESS, help=text)
             else:
                 group.add_argument(*names, dest=key, metavar=type(default).__name__.upper(),
+                                   nargs='?' if key in BARE else None, const=BARE.get(key),
                                    default=argparse.SUPPRESS, help=text)
     return parser
 
