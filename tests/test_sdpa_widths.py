@@ -8,6 +8,7 @@ the padded route equals the unpadded explicit one against a float64 reference (t
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -102,3 +103,16 @@ def test_padded_route_equals_the_explicit_one(name: str, key_dim: int) -> None:
     k = attention_chain(DIM, key_dim, x.shape[1], x.shape[0]) + 2 * vit_family.ROPE_CHAIN + 2 * DIM  # + EVA's norm
     for i, (a, b) in enumerate(zip(got, ref)):
         assert_within(a, b, k, what=f"{name} k{key_dim} result {i}")
+
+
+@pytest.mark.parametrize("name", ["rope", "eva"])
+def test_padded_rotary_layer_scripts(name: str) -> None:
+    """The padding keeps the rotary layers scriptable (TorchScript reads no module-level constant): the scripted
+    layer computes what the eager one does."""
+    layer = LAYERS[name](20).eval()
+    x, kwargs = torch.randn(2, 1 + GRID[0] * GRID[1], DIM), rope_kwargs(name, "cpu", torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated; timm still offers it
+        scripted = torch.jit.script(layer)
+    with torch.no_grad():
+        assert torch.equal(scripted(x, **kwargs), layer(x, **kwargs))
