@@ -10,7 +10,7 @@ from collab_vit.cli import format_table, model_table
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "RESULTS.md", ROOT / "RESULTS_HISTORY.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
