@@ -15,7 +15,7 @@ from timm.layers import Attention
 
 import collab_vit
 from collab_vit import checks
-from collab_vit.conversion import decompose, refine, spectrum
+from collab_vit.conversion import blockwise, decompose, spectrum
 from collab_vit.conversion.support import check_model
 from collab_vit.layers.attention import CollaborativeAttention
 from collab_vit.training.config import ConfigError
@@ -71,7 +71,7 @@ def test_the_sites_use_them():
     with pytest.raises(ValueError, match=r'^max_iter must be a non-negative integer, got -1$'):
         decompose.cp_decompose(torch.ones(2, 4, 2), torch.ones(2, 4, 2), 2, max_iter=-1)
     with pytest.raises(ValueError, match=r'^refine_lr must be a positive finite number, got True$'):
-        refine.refine_logits(None, [], torch.ones(1), torch.ones(1), 1, True)
+        blockwise.refine_blocks([], [], iter([]), 1, True)
 
 
 def _attention(**kwargs) -> Attention:

@@ -6,7 +6,7 @@ output sensitivities of every layer, the carried block inputs, a layer's tokens 
 memory-mapped file of a state folder, not in the process's memory: resident memory is the model and one batch,
 whatever the number of images, and the page cache that backs the files is the kernel's to drop. The folder is
 ``<out>.partial/`` beside the command's output (``beside``), else a temporary one (the Python API); its disk use is
-checked before the first image (``blockwise.check_memory``).
+checked before the first image (``blockwise.check_space``).
 
 Each refined layer is committed atomically (its weights as safetensors, then ``state.json``), keyed by a hash of
 everything that determines the result (the source's weights, the starting layers, the fitting images, the seed and
