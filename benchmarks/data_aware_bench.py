@@ -179,7 +179,7 @@ def main() -> None:
     reach, _ = timed(lambda: replay(block, inputs, 16))
     reach /= batch.shape[0]
     fit = split(args.default_images, None)
-    steps = refine_steps(recipe, "blocks", fit)
+    steps = refine_steps(recipe, "default", fit)
     depth = len(originals)
     blocks = reach * (fit * (depth - 1) + min(recipe.batch_size, fit) * depth * (depth - 1) / 2)
     rest = (fast - summary["capture_seconds"]) + capture * args.default_images + blocks

@@ -273,7 +273,7 @@ def report(results: Path) -> None:
 def package_default(images: int = DEFAULT_IMAGES) -> Setting:
     """The package's blockwise default as a setting, at ``images`` calibration images."""
     recipe = Recipe()
-    return Setting(recipe.refine_lr, PASSES["blocks"], recipe.confidence, images - split(images, recipe.holdout))
+    return Setting(recipe.refine_lr, PASSES["default"], recipe.confidence, images - split(images, recipe.holdout))
 
 
 def check(results: Path) -> None:

@@ -105,7 +105,7 @@ def cell(source: torch.nn.Module, images: torch.Tensor, key_dim: int, rotary: bo
         run.measure(candidate)
         row["starts"][name] = packed(predictions(model, test))
     base = min(starts.values(), key=lambda c: c.held_kl)
-    steps = refine_steps(recipe, "blocks", run.source.fit)
+    steps = refine_steps(recipe, "default", run.source.fit)
     row.update(refined_from=base.name, steps=steps)
     for variant, refine in (("blocks", lambda: on_source_tokens(run, base, steps)),
                             ("sequential", lambda: sequential(run, base, steps)),

@@ -48,7 +48,7 @@ def test_convert_with_calibration_images(tmp_path, capsys) -> None:
     sidecar = json.loads(out.with_suffix(".json").read_text())
     calibration = sidecar["calibration"]
     assert calibration["images_fit"] == 8 and calibration["images_held_out"] == 2
-    assert calibration["effort"] == "default" and calibration["refine_steps"] == 2  # ceil(16 x 8 / 64) per layer
+    assert calibration["effort"] == "default" and calibration["refine_steps"] == 1  # ceil(8 passes x 8 / 64)
     assert calibration["held_out_kl"] <= calibration["weight_only_kl"] and calibration["prefix_weight"] == 16.0
     assert all(layer["error_tokens"] == "2 held-out calibration images" for layer in sidecar["layers"])
     assert f"kept {calibration['chosen']}" in capsys.readouterr().out

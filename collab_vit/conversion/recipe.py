@@ -46,10 +46,13 @@ from .refine import per_image_kl
 # of the output KL). RESULTS.md (b), issue 40: the blockwise default is as good or better than the whole-model
 # refinement on two sources at about a twentieth of its compute; that one ("thorough") won one cell and was removed
 # (issue 54), as was refining both starts.
-EFFORTS: dict[str, str] = {"fast": "", "default": "blocks"}
-# the blockwise refinement's passes over the fitting images (steps per layer = passes x images / batch)
-PASSES: dict[str, int] = {"blocks": 16}
-DEFAULT_IMAGES = 2048  # calibration images the command draws by default: the blockwise refinement gains with them
+# "full": the default before issue 56 (2048 images, 16 passes: about 4 times the default's compute, a GPU job on
+# DeiT-B); the default fits DeiT-B's conversion into about 30 min of a 2-core CPU (RESULTS.md (b), "At a fixed compute").
+EFFORTS: dict[str, str] = {"fast": "", "default": "blocks", "full": "blocks"}
+# each effort's blockwise passes over the fitting images (steps per layer = passes x images / batch)
+PASSES: dict[str, int] = {"default": 8, "full": 16}
+DEFAULT_IMAGES = 640  # calibration images the command draws by default (fast and default; ``IMAGES``)
+IMAGES: dict[str, int] = {"fast": DEFAULT_IMAGES, "default": DEFAULT_IMAGES, "full": 2048}
 MAX_HOLDOUT = 256  # the guard's held-out images at most (64 before issue 40's leave-one-source-out choice)
 STARTS = ("weight", "whitened")
 
@@ -110,12 +113,12 @@ def split(n: int, holdout: Optional[int]) -> int:
     return n - holdout
 
 
-def refine_steps(recipe: Recipe, kind: str, fit: int) -> int:
-    """Steps of the refinement ``kind`` (``PASSES``): ``recipe.refine_steps`` where set, else its passes over the
-    ``fit`` images."""
+def refine_steps(recipe: Recipe, effort: str, fit: int) -> int:
+    """Steps of each layer's refinement at ``effort`` (``PASSES``): ``recipe.refine_steps`` where set, else its passes
+    over the ``fit`` images."""
     if recipe.refine_steps is not None:
         return recipe.refine_steps
-    return math.ceil(PASSES[kind] * fit / recipe.batch_size)
+    return math.ceil(PASSES[effort] * fit / recipe.batch_size)
 
 
 def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
@@ -425,7 +428,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     kinds = {c.split("+")[1] for c in pinned if "+" in c} if pinned is not None else {EFFORTS[effort]} - {""}
     fit = split(images.shape[0], recipe.holdout)
-    steps = {kind: refine_steps(recipe, kind, fit) for kind in kinds}
+    steps = {kind: refine_steps(recipe, effort if effort in PASSES else "default", fit) for kind in kinds}
     planned = plan(model, layers, images, recipe, steps.get("blocks", 0), len(builder.starts))  # refused if too big
     if progress:
         print(planned.line(), flush=True)
