@@ -73,7 +73,7 @@ def probe_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def output_error(attn, decomposition: dec.Decomposition, tokens: torch.Tensor) -> float:
     """||attn~(x) - attn(x)|| / ||attn(x)||, as ``reparametrize`` computes it."""
-    return reparam.output_error(reparam.layer_from_decomposition(attn, decomposition), attn, tokens)
+    return reparam.output_error(reparam.layer_from_decomposition(attn, decomposition), attn, (tokens, {}))
 
 
 def run_ours(model: torch.nn.Module, weights: str, key_dim: int, method: str) -> dict:

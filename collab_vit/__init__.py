@@ -18,9 +18,9 @@ from .models import COLLAB_MODELS, CONCAT_MODELS
 from .models_rope import ROPE_MODELS
 from .hub import push_to_hf_hub, save_pretrained
 
-__all__ = ["CollaborativeAttention", "CollaborativeAttentionRope", "CollaborativeEvaAttention",
-           "ConcatAttention", "attention_class", "reparametrize", "reparametrize_attention", "reparam", "COLLAB_MODELS", "CONCAT_MODELS", "ROPE_MODELS", "save_pretrained", "push_to_hf_hub",
-           "exclude_mixing_from_decay"]
+__all__ = ["CollaborativeAttention", "CollaborativeAttentionRope", "CollaborativeEvaAttention", "ConcatAttention",
+           "attention_class", "reparametrize", "reparametrize_attention", "reparam", "COLLAB_MODELS", "CONCAT_MODELS",
+           "ROPE_MODELS", "save_pretrained", "push_to_hf_hub", "exclude_mixing_from_decay"]
 
 
 def __getattr__(name: str) -> object:

@@ -85,7 +85,7 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
         layer = layer_from_decomposition(attn, Decomposition(cut.query.float(), cut.key.float(), cut.mixing.float(),
                                                              err, 0))
         rows.append({"name": name, "key_dim": nh * r, "tensor_error": err,
-                     "output_error": output_error(layer, attn, held_tokens[index])})
+                     "output_error": output_error(layer, attn, (held_tokens[index], {}))})
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
     return rows

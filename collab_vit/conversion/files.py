@@ -22,7 +22,7 @@ from .spectrum import check_spectra, format_spectrum_table, layer_spectra, plot_
 from ..weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_folder, export_writer, model_pipeline,
                           one_line, read_weights, write_folder, write_together)
 from .calibration import DEFAULT_RIDGE, calibration_images
-from .dims import REMOVED, KeyDimSpec, layer_dims
+from .dims import KeyDimSpec, check_spec, layer_dims
 from .recipe import Recipe
 from .record import converted_record, rebuild_problem
 from .reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
@@ -144,20 +144,17 @@ def weights_origin(model: nn.Module, checkpoint: Optional[str]) -> str:
 
 
 def parse_key_dim(text: str) -> KeyDimSpec:
-    """``--key-dim``: ``384`` (all layers) or ``384,384,256,...`` (one per layer), read once here; a budget
-    (``budget=F``) or an energy threshold (``0.95``) is refused with its line of ``dims.REMOVED``."""
-    if text.startswith("budget="):
-        raise ValueError(REMOVED["budget"])
+    """``--key-dim``: ``384`` (all layers) or ``384,384,256,...`` (one per layer), read once here and checked by
+    ``dims.check_spec`` (a budget ``budget=F`` or an energy threshold ``0.95``: its line of ``dims.REMOVED``)."""
+    value: object = text
     try:
-        return [int(part) for part in text.split(",")] if "," in text else int(text)
+        value = [int(part) for part in text.split(",")] if "," in text else int(text)
     except ValueError:
-        pass
-    try:
-        float(text)
-    except ValueError:
-        raise ValueError(f"--key-dim must be an int or a comma list of ints (one per attention layer), got "
-                         f"{text!r}") from None
-    raise ValueError(REMOVED["threshold"])
+        try:
+            value = float(text)
+        except ValueError:
+            pass
+    return check_spec(value)
 
 
 def format_report(reports: list[LayerReport]) -> str:

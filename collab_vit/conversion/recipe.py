@@ -20,7 +20,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,15 +32,13 @@ from tqdm import tqdm
 from ..checks import is_integer, positive_int
 from ..layers.construction import replace_submodule
 from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitening
-from .decompose import relative_error
 from .dims import REMOVED
 from .capture import model_outputs, prefix_tokens, source_tokens
-from .fit import LayerFit, fit_attention, head_factors
-from .guard import Verdict, held_out_split, judge
+from .fit import LayerFit, fit_attention, tensor_error
+from .guard import Verdict, held_out_split, judge, per_image_kl
 from . import state
 from .blockwise import (GRAPH_BYTES, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
                         resident_bytes, saved_per_image)
-from .refine import per_image_kl
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
 # of the output KL). RESULTS.md (b), issue 40: the blockwise default is as good or better than the whole-model
@@ -127,13 +125,6 @@ def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
     return [f"{ranked[0]}+{kind}"] if kind else []
 
 
-def tensor_error(attn: Attention, layer: nn.Module) -> float:
-    """``||T - T~|| / ||T||`` of a fitted (e.g. refined) layer."""
-    wq, wk = head_factors(attn)
-    weights = (layer.query.weight.T, layer.key.weight.T, layer.mixing)
-    return relative_error(wq, wk, *(w.detach().cpu() for w in weights))
-
-
 @dataclass(frozen=True)
 class Builder:
     """How one kind of layer's candidates are built: the whitening of a layer's moments, the fit (``fit_attention``'s
@@ -151,6 +142,14 @@ class Builder:
     @property
     def starts(self) -> tuple[str, ...]:
         return STARTS + tuple(name for name, _ in self.extra)
+
+    def weight_only(self, attn: nn.Module, key_dim: int, method: str = "tucker", **options: Any) -> LayerFit:
+        """One layer's weight-only conversion at ``key_dim``, the one function the recipe's weight-only start,
+        ``reparam``'s weight-only conversion and ``pretrained``'s conversion on load call: ``weight`` where set
+        (rotary layers), else the ``method`` fit (``options``: ``seed, max_iter, tol, dtype``)."""
+        if self.weight is not None:
+            return self.weight(attn, key_dim)
+        return (self.fit or fit_attention)(attn, key_dim, method, None, **options)
 
 
 STANDARD = Builder()
@@ -279,8 +278,8 @@ class RecipeRun:
         for (_, attn), rank, moments in zip(self.layers, dims, self.source.moments):
             if extra is not None:
                 fits.append(extra(attn, rank))
-            elif name == "weight" and self.builder.weight is not None:
-                fits.append(self.builder.weight(attn, rank))
+            elif name == "weight":
+                fits.append(self.builder.weight_only(attn, rank, self.method, seed=self.seed))
             else:
                 sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
                 fits.append(fit_layer(attn, rank, self.method, sides, **options))

@@ -20,13 +20,11 @@ from tqdm import tqdm
 from ..layers.attention import CollaborativeAttention
 from ..layers.construction import not_convertible, replace_submodule
 from .calibration import Calibration, TokenMoments, calibration_images, whitening
-from .capture import source_tokens
 from .dims import REMOVED, KeyDimSpec, check_spec, layer_dims
-from .fit import LayerFit, check_method, fit_attention, layer_from_decomposition
-from .recipe import STANDARD, Recipe, calibrated, check_effort, split
+from .fit import check_method, fit_attention, layer_from_decomposition, output_error
+from .recipe import STANDARD, Builder, Recipe, calibrated, check_effort, split
 from .rotary import is_rotary, layer_calls
-from .rotary import output_error as rotary_output_error
-from .rotary_fit import ROTARY, convert_rotary, only_rotary
+from .rotary_fit import ROTARY, only_rotary
 from .support import all_or_nothing, attention_forms
 
 __all__ = ["ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
@@ -109,22 +107,6 @@ def probe_input_size(model: nn.Module) -> tuple[int, int, int]:
     return tuple(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224)))
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-@torch.no_grad()
-def output_error(layer: nn.Module, original: nn.Module, tokens: torch.Tensor) -> float:
-    """``||layer(x) - original(x)|| / ||original(x)||`` on ``tokens`` (B, N, D), both in eval mode (their train/eval
-    flags are put back): the attention-output error of a converted layer (``LayerReport.output_error``)."""
-    device = next(layer.parameters()).device
-    was = layer.training, original.training
-    out, ref = layer.eval()(tokens.to(device)), original.eval()(tokens.to(device))
-    layer.train(was[0])
-    original.train(was[1])
-    return _relative(out, ref)
-
-
 def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: Optional[Calibration] = None,
                   effort: str = "default", seed: int = 0, device: Union[None, str, torch.device] = None,
                   progress: bool = True, return_report: bool = False, **removed: Any
@@ -176,34 +158,29 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     check_effort(effort)
     layers = timm_attention_layers(model)
     rotary = any(is_rotary(attn, model) for _, attn in layers)
+    if rotary:
+        only_rotary(model, layers)
     dims = layer_dims(check_spec(key_dim), layers, even=rotary)
-    if rotary and (calibration is None or key_dim is None):  # weight-only, per frequency (``rotary_fit.py``)
-        rows = convert_rotary(model, layers, dims, _probe(model, probe, seed), progress)
-        return ConversionReport([LayerReport(name, k, tensor, error, seconds) for name, k, tensor, error, seconds
-                                 in rows])
-    if calibration is None:
-        return _weight_only(model, layers, dims, method, probe, seed, progress)
+    builder = ROTARY if rotary else STANDARD
+    if calibration is None or (rotary and key_dim is None):  # rotary at full rank: exact, nothing to calibrate
+        return _weight_only(model, layers, dims, (method, seed, builder), _probe(model, probe, seed), progress)
     images = calibration_images(calibration, probe_input_size(model), recipe.batch_size)
     was_training = model.training
     model.eval()
     try:
         calls = None
         if rotary:  # the held-out images' calls, for the output errors (rotary layers take the rope)
-            only_rotary(model, layers)
             fit = split(images.shape[0], recipe.holdout)
             calls = layer_calls(model, layers, images[fit:] if fit < images.shape[0] else images)
-        fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe,
-                                         ROTARY if rotary else STANDARD)
+        fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe, builder)
     finally:
         model.train(was_training)
     where = f"{summary['images_held_out']} held-out calibration images" if summary["images_held_out"] \
         else "the fitting image (none held out)"
     reports = []
     for i, ((name, attn), fitted, tokens) in enumerate(zip(layers, fits, held)):
-        if calls is not None:  # rotary layers are called with the rope (``rotary.layer_calls``)
-            error = rotary_output_error(fitted.layer, attn, calls[i]) if calls[i] is not None else float("nan")
-        else:
-            error = output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
+        call = calls[i] if calls is not None else None if tokens is None else (tokens, {})
+        error = output_error(fitted.layer, attn, call) if call is not None else float("nan")
         reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, fitted.seconds, where))
     return ConversionReport(reports, summary)
 
@@ -215,22 +192,18 @@ def _probe(model: nn.Module, probe: Optional[torch.Tensor], seed: int) -> torch.
     return torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(seed))
 
 
-def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], method: str,
-                 probe: Optional[torch.Tensor], seed: int, progress: bool) -> ConversionReport:
-    """The weight-only conversion at ``dims``, output errors on the tokens of ``probe`` images (default 2 random
-    ones)."""
-    probe = _probe(model, probe, seed)
-    device = next(model.parameters()).device
-    was_training = model.training
-    try:
-        _, held, _, _ = source_tokens(model.eval(), layers, probe.to(device), 0, probe.shape[0])
-    finally:
-        model.train(was_training)
+def _weight_only(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: list[int],
+                 how: tuple[str, int, Builder], probe: torch.Tensor, progress: bool) -> ConversionReport:
+    """The weight-only conversion at ``dims``: each layer by ``Builder.weight_only`` (``how``: the method and seed of a
+    standard layer's fit, and the builder: rotary layers per frequency, ``rotary_fit.weight_only``), its output error
+    on the call it gets on the ``probe`` images (``rotary.layer_calls``, read before any layer is swapped)."""
+    method, seed, builder = how
+    calls = layer_calls(model, layers, probe)
+    what = "rotary re-parametrisation (per frequency)" if builder is ROTARY else f"{method} re-parametrisation"
     reports = []
-    for (name, attn), rank, tokens in zip(tqdm(layers, desc=f"{method} re-parametrisation", disable=not progress),
-                                          dims, held):
-        fitted: LayerFit = fit_attention(attn, rank, method, None, seed=seed)
-        error = output_error(fitted.layer, attn, tokens)
+    for (name, attn), rank, call in zip(tqdm(layers, desc=what, disable=not progress), dims, calls):
+        fitted = builder.weight_only(attn, rank, method, seed=seed)
+        reports.append(LayerReport(name, rank, fitted.tensor_error, output_error(fitted.layer, attn, call),
+                                   fitted.seconds))
         replace_submodule(model, name, fitted.layer)
-        reports.append(LayerReport(name, rank, fitted.tensor_error, error, fitted.seconds))
     return ConversionReport(reports)

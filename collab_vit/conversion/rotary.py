@@ -151,11 +151,3 @@ def layer_calls(model: nn.Module, layers: list[tuple[str, nn.Module]], images: T
     return calls
 
 
-@torch.no_grad()
-def output_error(layer: nn.Module, source: nn.Module, call: tuple[Tensor, dict[str, Any]]) -> float:
-    """``||layer(x) - source(x)|| / ||source(x)||`` on one recorded call (eval mode; train flags kept)."""
-    was = layer.training, source.training
-    out, ref = layer.eval()(call[0], **call[1]), source.eval()(call[0], **call[1])
-    layer.train(was[0])
-    source.train(was[1])
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -27,16 +27,15 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..layers.construction import full_rank, replace_submodule
+from ..layers.construction import full_rank
 import torch
 import torch.nn as nn
 from torch import Tensor
-from tqdm import tqdm
 
 from .calibration import TokenMoments, Whitening, whitener
-from .fit import LayerFit
+from .fit import LayerFit, output_error
 from .recipe import Builder
-from .rotary import is_rotary, layer_calls, output_error, projections, rotary_layer, rotary_like, \
+from .rotary import is_rotary, projections, rotary_layer, rotary_like, \
     shared_order
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
@@ -363,21 +362,6 @@ def only_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
     standard = [name for name, attn in layers if not is_rotary(attn, model)]
     if standard:
         raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
-
-
-def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: Sequence[int], probe: Tensor,
-                   progress: bool = True) -> list[tuple[str, int, float, float, float]]:
-    """Swap every rotary layer of ``model`` (in place) for its weight-only collaborative layer at ``dims``, with a
-    progress bar over the layers; ``(name, key dim, tensor error, output error on the ``probe`` images' tokens,
-    seconds)``."""
-    only_rotary(model, layers)
-    rows = []
-    bar = tqdm(layers, desc="rotary re-parametrisation (per frequency)", disable=not progress)
-    for (name, attn), dim, call in zip(bar, dims, layer_calls(model, layers, probe)):
-        fitted = weight_only(attn, dim)
-        rows.append((name, dim, fitted.tensor_error, output_error(fitted.layer, attn, call), fitted.seconds))
-        replace_submodule(model, name, fitted.layer)
-    return rows
 
 
 # the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
