@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", default="default", metavar="{" + ",".join(EFFORTS) + "}",
                       help="fast: closed forms only; default: the better one refined layer by layer (8 passes over "
-                      "640 images: DeiT-B in about 30 min on a 2-core CPU); full: 16 passes over 2048 images (about "
+                      "640 images: sized for DeiT-B on a CPU); full: 16 passes over 2048 images (about "
                       "4x the default's compute: the default before, for a GPU or the time)")
     convert.set_defaults(run=_convert)
 

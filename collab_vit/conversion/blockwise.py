@@ -9,18 +9,19 @@ to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||
 removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
 and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
-backward on the minibatch, not the whole model's (``refine.refine_logits``); the sensitivities and the first layer's
+backward on the minibatch, not the whole model's (a whole-model refinement); the sensitivities and the first layer's
 tokens are held in memory-mapped files of the conversion's state folder (``state.py``: ``(samples x layers + 1) x
 images x tokens x D`` floats, and ``WORKING`` token tensors of all the images while a layer is refined:
 ``cache_bytes`` estimates them from one image, checked against the free disk before the recipe starts), so the
 process holds the model and a batch whatever the number of images; the sensitivity pass's batch is cut so that its
 autograd graph stays within ``GRAPH_BYTES``. Each refined layer is committed to the state folder, and a run of the
-same key resumes after the last one committed. As in ``refine_logits``, a layer whose mean loss over all the images
+same key resumes after the last one committed. A layer whose mean loss over all the images
 rose keeps its starting weights.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -32,7 +33,6 @@ from ..checks import nonnegative_int, positive_int, positive_real
 from ..layers.construction import parent_module
 from . import state
 from .capture import _kept
-from .refine import RefineResult, _Trainable
 
 PARAMS = ("query.weight", "key.weight", "mixing")  # what the refinement trains of a layer (eq. 5), and commits
 WORKING = 4  # token tensors of all the images beside the cache while a layer is refined: the inputs of the block before
@@ -43,6 +43,41 @@ Call = tuple[Optional[Tensor], tuple, dict, Tensor]  # one layer's tokens (image
 
 
 GRAPH_BYTES = 2 ** 29  # the sensitivity pass's autograd graph at most: its batch is cut to fit (DeiT-B: 4 images)
+
+
+@dataclass
+class RefineResult:
+    steps: int
+    seconds: float
+    first_loss: float
+    last_loss: float
+    kl_before: float  # mean KL over all the refinement's images, before the steps
+    kl_after: float  # and after them
+    kept_start: bool  # the steps made the mean loss worse: the starting weights were restored
+    losses: list[float] = field(default_factory=list)
+
+
+class _Trainable:
+    """Only ``params`` get gradients inside the block; flags and train/eval mode are put back after it."""
+
+    def __init__(self, modules: list[nn.Module], params: list[nn.Parameter]) -> None:
+        self.modules, self.params = modules, params
+
+    def __enter__(self) -> None:
+        self.flags = {p: p.requires_grad for m in self.modules for p in m.parameters()}
+        self.modes = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad_(False)
+        for p in self.params:
+            p.requires_grad_(True)
+
+    def __exit__(self, *exc: object) -> None:
+        for p, flag in self.flags.items():
+            p.requires_grad_(flag)
+        for m, mode in zip(self.modules, self.modes):
+            m.train(mode)
 
 
 def saved_per_image(model: nn.Module, images: Tensor) -> int:

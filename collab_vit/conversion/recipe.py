@@ -45,7 +45,7 @@ from .blockwise import (GRAPH_BYTES, cache_bytes, check_space, converted_calls, 
 # refinement on two sources at about a twentieth of its compute; that one ("thorough") won one cell and was removed
 # (issue 54), as was refining both starts.
 # "full": the default before issue 56 (2048 images, 16 passes: about 4 times the default's compute, a GPU job on
-# DeiT-B); the default fits DeiT-B's conversion into about 30 min of a 2-core CPU (RESULTS.md (b), "At a fixed compute").
+# DeiT-B); the default is the recipe at DeiT-B's fixed compute on a CPU (RESULTS.md (b), "At a fixed compute").
 EFFORTS: dict[str, str] = {"fast": "", "default": "blocks", "full": "blocks"}
 # each effort's blockwise passes over the fitting images (steps per layer = passes x images / batch)
 PASSES: dict[str, int] = {"default": 8, "full": 16}
