@@ -136,3 +136,21 @@ def test_rotary_post_hoc(tiny_fashion_mnist, tmp_path):
                                                              (recipe['top1'], select['top1'])]):
         change, half = map(float, cell.split(' ± '))
         assert abs(change - (entry - against)) <= 0.005 + 1e-9 and half > 0 or entry == against
+
+
+def test_fixed_compute_table_from_the_committed_grids(tmp_path):
+    """experiments/fixed_compute.py on the committed grids (results/fixed_compute): one row per source, key dim,
+    images and passes, the old default paired with itself at zero, the plot written; the new default's row there."""
+    import shutil
+
+    results = tmp_path / "fixed_compute"
+    shutil.copytree(ROOT / "results" / "fixed_compute", results, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "fixed_compute.py"), "--results", str(results)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in (results / "table.md").read_text().splitlines()[2:]]
+    assert len(rows) == 18 and (results / "compute.png").stat().st_size > 0
+    assert sum("| 2048 | 16 |" in r and r.endswith("| +0.00 ± 0.00 |") for r in rows) == 2
+    from collab_vit.conversion.recipe import DEFAULT_IMAGES, PASSES
+
+    assert sum(f"| {DEFAULT_IMAGES} | {PASSES['default']} |" in r for r in rows) == 2
