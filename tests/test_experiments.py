@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,8 +145,8 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     import shutil
 
     results = tmp_path / "fixed_compute"
-    shutil.copytree(ROOT / "results" / "fixed_compute", results, ignore=shutil.ignore_patterns("*.png", "*.md"))
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "fixed_compute.py"), "--results", str(results)],
+    shutil.copytree(Path(ROOT) / "results" / "fixed_compute", results, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    proc = subprocess.run([sys.executable, str(Path(ROOT) / "experiments" / "fixed_compute.py"), "--results", str(results)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in (results / "table.md").read_text().splitlines()[2:]]
