@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Attention
 from torch import Tensor
-from tqdm import tqdm
 
+from .. import console
 from ..checks import is_integer, positive_int
 from ..layers.construction import replace_submodule
 from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitening
@@ -393,10 +393,11 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     check_space(disk, memory, advice=advice)
     n, fit = images.shape[0], split(images.shape[0], recipe.holdout)
     passes = steps * recipe.batch_size / fit if steps else 0.0
-    batch = images[:8]
+    batch = images[:8].to(next(model.parameters()).device)
     with torch.no_grad():
+        model(batch)  # warm: the first pass allocates
         start = time.perf_counter()
-        model(batch.to(next(model.parameters()).device))
+        model(batch)
         forward = (time.perf_counter() - start) / batch.shape[0]
     c = COST
     units = n * c["capture"] + (n - fit or n) * (starts + 1) + (fit * (
@@ -445,7 +446,7 @@ def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str
     """``calibrated``'s candidates fitted, refined, measured and chosen on ``run``."""
     builder, layers, method, recipe, seed = run.builder, run.layers, run.method, run.recipe, run.seed
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
-    run.bar = tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}", disable=not run.progress)
+    run.bar = console.progress(len(layers) * len(starts), "closed-form candidates (layers)", run.progress)
     with torch.autocast(next(run.model.parameters()).device.type, enabled=False):  # fits, refinement and measures
         found = {name: run.fit_start(name, dims) for name in starts}  # at full precision
         run.bar.close()
