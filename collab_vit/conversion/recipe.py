@@ -152,6 +152,8 @@ class Builder:
     # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
     weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim, given)`` (``given``: the key
     # dims were given, not read from spectra), where it is not ``fit`` without sides (``rotary_fit.weight_only``)
+    calls: Optional[Callable] = None  # ``calls(model, layers, images)``: each layer's keywords for ``extra`` and
+    # ``weight`` (rotary layers: the rope it is called with, which ranks the selection's pairs)
 
     @property
     def starts(self) -> tuple[str, ...]:
@@ -247,6 +249,7 @@ class RecipeRun:
         self.progress, self.bar = False, None  # progress bars (``calibrated`` sets them)
         self.dims_from = "given"
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
+        self.keywords = builder.calls(model, layers, images) if builder.calls else [{} for _ in layers]
         self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
 
     def dims(self, spec: KeyDimSpec) -> dict[str, list[int]]:
@@ -278,11 +281,11 @@ class RecipeRun:
         extra = dict(self.builder.extra).get(name)
         options = dict(seed=self.seed, **self.recipe.decomposition)
         fits = []
-        for (_, attn), rank, moments in zip(self.layers, dims, self.source.moments):
+        for (_, attn), rank, moments, keywords in zip(self.layers, dims, self.source.moments, self.keywords):
             if extra is not None:
-                fits.append(extra(attn, rank))
+                fits.append(extra(attn, rank, **keywords))
             elif name == "weight" and self.builder.weight is not None:
-                fits.append(self.builder.weight(attn, rank, self.dims_from == "given"))
+                fits.append(self.builder.weight(attn, rank, self.dims_from == "given", **keywords))
             else:
                 sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
                 fits.append(fit_layer(attn, rank, self.method, sides, **options))
