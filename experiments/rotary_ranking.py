@@ -32,7 +32,7 @@ from statistics import fmean
 
 import torch
 
-from blockwise_loso import packed, paired, predictions
+from blockwise_loso import packed, paired, predictions, unpacked
 from data_aware import test_set
 from rotary_post_hoc import load, swap
 from runner import ROOT, git_commit, machine, write_json
@@ -102,15 +102,22 @@ def grid(args: argparse.Namespace) -> None:
     ranked = scores(source, calibration_images(loader, probe_input_size(source)))
     plans = [rotary_fit.plan(rotary_fit.frequencies(attn)) for _, attn in timm_attention_layers(source)]
     for key_dim in args.key_dims:
+        seen: dict[tuple, str] = {}  # the layers' kept pairs -> the variant that kept them (same model, same outcomes)
         for variant in args.variants:
             path = folder / f"{variant}_k{key_dim}.json"
+            kept = (variant,) if variant == "fit" else tuple(tuple(rotary_fit.selection_slots(score)[:key_dim // 2])
+                                                             for score in ranked[variant])
+            twin = folder / f"{seen.get(kept)}_k{key_dim}.json"
+            seen.setdefault(kept, variant)
             if path.exists():
                 continue
             began = time.perf_counter()
-            right = predictions(converted(source, key_dim, variant, ranked, plans), test)
+            right = (unpacked(json.loads(twin.read_text()), int(test[1].numel())) if twin.exists()
+                     else predictions(converted(source, key_dim, variant, ranked, plans), test))
             row = {"variant": variant, "key_dim": key_dim, **packed(right), "top1_source": reference["top1"],
                    "source_right": reference["right"], "test_images": int(test[1].numel()),
                    "images": args.images if variant == "data" else 0,
+                   "same_layers_as": twin.stem.split("_k")[0] if twin.exists() else None,
                    "seconds": round(time.perf_counter() - began, 2), "commit": git_commit(), "machine": machine()}
             write_json(path, row)
             print(f"{variant} k{key_dim}: {row['top1']:.2f} ({row['top1'] - reference['top1']:+.2f})", flush=True)

@@ -191,11 +191,12 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
 
 
 def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) -> None:
-    """At light compression the weight-only fit is the selection (``rotary_fit.weight_only``): the recipe scores that
-    model once on the held-out images and both candidates carry its scores (the whitened fit, another model, is
-    scored); the model kept is the one scored."""
+    """Where the weight-only fit is the selection (``rotary_fit.weight_only`` with ``LIGHT`` at half; the package's
+    ``LIGHT = 1`` never takes it since issue 54) the recipe scores that model once on the held-out images and both
+    candidates carry its scores (the whitened fit, another model, is scored); the model kept is the one scored."""
     from collab_vit.conversion import recipe as recipe_module
 
+    monkeypatch.setattr(rotary_fit, "LIGHT", 0.5)
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
@@ -233,6 +234,14 @@ def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
         rotary_fit.plan(freqs, allocation="dp")
 
 
+def fitted(model: nn.Module, key_dim: int) -> nn.Module:
+    """A copy of ``model`` with every layer's per-frequency fit at ``key_dim``."""
+    by_hand = copy.deepcopy(model)
+    for block in by_hand.blocks:
+        block.attn = rotary_fit.fit_rotary(block.attn, key_dim).layer
+    return by_hand
+
+
 def selected(model: nn.Module, key_dim: int) -> nn.Module:
     """A copy of ``model`` whose heads each keep their strongest pairs under the rope each layer is called with."""
     layers = collab_vit.conversion.reparam.timm_attention_layers(model)
@@ -243,25 +252,30 @@ def selected(model: nn.Module, key_dim: int) -> nn.Module:
     return by_hand
 
 
-def test_weight_only_keeps_the_selection_at_light_compression(tmp_path: Path) -> None:
-    """Issue 40 item 4: at given key dims of at least half a layer's q/k dims the weight-only conversion is each head
-    keeping its strongest pairs (``selection_layer``, to the bit), below half the per-frequency fit; a threshold keeps
-    the fit whose spectrum chose its key dims; the calibrated recipe's weight-only candidate is the weight-only
-    conversion in both regimes."""
+def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path, monkeypatch) -> None:
+    """Issue 54 item 4 (``LIGHT = 1``): at every given key dim below full rank the weight-only conversion is the
+    per-frequency fit, not each head keeping its strongest pairs (``selection_layer``, ranked under each layer's rope,
+    which it was from half the q/k dims before, issue 40, and is again with ``LIGHT`` at half); a threshold keeps the
+    fit whose spectrum chose its key dims; the calibrated recipe's weight-only candidate is the weight-only
+    conversion."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     full = rotary_fit.full_rank(model.blocks[0].attn)
     x, images = vit_family.images(3, seed=5), vit_family.images(24, seed=3)
     for key_dim in (full // 2, 3 * full // 4, full // 4):
         converted = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
-        by_hand = selected(model, key_dim)
-        assert torch.equal(converted(x), by_hand(x)) == (key_dim >= full // 2)
+        by_hand = fitted(model, key_dim)
+        assert torch.equal(converted(x), by_hand(x)) and not torch.equal(converted(x), selected(model, key_dim)(x))
+        with monkeypatch.context() as patched:
+            patched.setattr(rotary_fit, "LIGHT", 0.5)
+            at_half = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
+            assert torch.equal(at_half(x), selected(model, key_dim)(x)) == (key_dim >= full // 2)
         recipe = collab_vit.conversion.recipe.Recipe(holdout=8, candidates=("weight",))
         pinned = copy.deepcopy(model)
         collab_vit.conversion.reparam.convert_model(pinned, key_dim, "tucker", images, "fast", 0, False, recipe)
         assert torch.equal(pinned(x), converted(x))
     source, again = convert_rope_to_folder(tmp_path, full // 2)  # through ``collab-vit convert`` and timm's reload
-    by_hand = selected(source, full // 2)
+    by_hand = fitted(source, full // 2)
     assert torch.equal(vit_family.logits(again, x), vit_family.logits(by_hand, x))
     _, report = collab_vit.reparametrize(copy.deepcopy(model), 0.9, progress=False, return_report=True)
     for r in report:  # the threshold's layers are the fits its spectra promise, even at light compression

@@ -15,11 +15,12 @@ The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "eac
 spreads them by ``||T_ip||`` (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each
 frequency's fit at ``R_p`` starts from exactly that selection, so the fit contains it and never has a larger tensor
 error at equal q/k parameters. Its top-1 is another matter: at given key dims of at least ``LIGHT`` of the layer's
-q/k dims the weight-only conversion is a selection (``weight_only``), each head keeping the pairs that give its
-logits most under the layer's rope (``Frequencies.logit_energy``: a rotated key bias of a low frequency is nearly
-constant along a softmax row and cancels, which ``||T_ip||`` counts in full). The allocation that minimises the summed tensor error (dynamic programming,
-``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor error weighs
-every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose error stands for the
+q/k dims the weight-only conversion is a selection (``weight_only``; ``LIGHT = 1``: never, issue 54), each head
+keeping the pairs that give its logits most under the layer's rope, as the recipe's ``"select"`` candidate does
+(``Frequencies.logit_energy``: a rotated key bias of a low frequency is nearly constant along a softmax row and
+cancels, which ``||T_ip||`` counts in full). The allocation that minimises the summed tensor error (dynamic
+programming, ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor
+error weighs every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose error stands for the
 logits' on the calibration tokens, takes the optimal allocation of its whitened error. ``budget=F`` spreads a total over the layers by
 ``budget.allocate`` on each layer's spectrum (the kept energy at ``1..P H`` pairs), thresholds read the same spectrum.
 """
@@ -45,9 +46,10 @@ from .rotary import even_dims, is_rotary, layer_calls, output_error, projections
     shared_order
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
-LIGHT = 0.5  # given key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
-# pairs (``selection_layer``), better on top-1 than the per-frequency fit in 5 of 6 cells measured there, by up to
-# 1.0 point, and worse below it in 3 of 5, by up to 8.4 (RESULTS.md (b), issue 40 item 4)
+LIGHT = 1.0  # given key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
+# pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. Issue 54 item 4 (results/rotary_ranking):
+# on a 15-epoch RoPE-ViT source the selection ranked by ``logit_energy`` was 0.21 below the fit at 56 of 64 q/k
+# dims and above it by 0.04 to 0.26 at 32 to 48, each inside its paired interval: no share where it reliably wins
 
 
 @dataclass
