@@ -1,23 +1,33 @@
-"""GPU check of the attention layers: correctness, the SDPA kernel each case runs, the routes, throughput; Markdown out.
+"""GPU check of the attention layers: correctness against float64, what SDPA receives, the kernel each case runs, the
+shared keys' layout, the routes, a compiled training step, throughput, and its own coverage; Markdown out, exit 1 on
+any failure.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py                      # CUDA, about 3 to 5 minutes on one GPU
+    PYTHONPATH=. python benchmarks/gpu_check.py                      # CUDA: meant for 5 minutes (never run on one yet)
+    PYTHONPATH=. python benchmarks/gpu_check.py --quick              # fewer parts (the report says which)
     PYTHONPATH=. python benchmarks/gpu_check.py --out gpu_check.md   # also write the report to a file
-    PYTHONPATH=. python benchmarks/gpu_check.py --tiny --device cpu  # seconds: the mode the test suite runs
+    PYTHONPATH=. python benchmarks/gpu_check.py --tiny --device cpu  # the smoke mode the test suite runs
 
-1. Correctness: ``CollaborativeAttention`` outputs and gradients (input and every parameter) against its explicit
-   path in float32 on the same device (max error / max |reference| <= 1e-4), and under bfloat16 / float16 autocast
-   against the float32 explicit path (relative Frobenius error within ``rounding_tolerance``).
-2. Kernels: the attention ops and CUDA kernels the profiler records for each layer (training step and inference);
-   ``math`` is torch's unfused SDPA kernel, ``explicit`` a written-out softmax (on CUDA either is a FAIL: a silent
-   fallback). Any warning of the package is reported.
-3. Routes: each route of ``CollaborativeAttention`` forced on one layer (``sdpa``, the CUDA default; ``sdpa`` with
-   the saved-tensor hook of the removed ``sdpa-pinned`` path; the CPU ``core``; ``explicit``): forward and training
-   step time, memory held for backward (allocator bytes after forward) and error against ``explicit``; timm's
-   ``Attention`` for scale. What the table in ``collab_vit/layers/dispatch.py`` should follow on a GPU.
-4. Whole models at bfloat16 autocast, batch 256 (``--batch``): timm's ``deit_base_patch16_224`` against collab
-   k768/384/192 and concat k384/192, inference and training step (forward, backward, AdamW), img/s and peak memory.
+Layers: every attention layer class of ``collab_vit.layers`` (``gpu_coverage.LAYERS``: standard, content-bias-free,
+causal, concat, axial RoPE-ViT and DINOv3-style rotary, BEiT relative position, EVA's call) at key dims 48, 64, 100,
+192, 384 and 768 and 197, 577 and 1025 tokens (``gpu_numerics.shapes``).
 
-Imports only torch, timm and this package (``collab_vit``), so it runs on a machine with just those installed.
+1. Correctness: outputs and gradients (input and every parameter), training and eval, float32 and bfloat16 / float16
+   autocast, against the float64 written-out route with derived bounds (``gpu_numerics``).
+2. What SDPA receives on the CUDA route: q/k widths aligned for the fused kernels, shared keys a stride-0 view.
+3. Kernels: the attention ops and CUDA kernels the profiler records (``math`` is torch's unfused SDPA kernel,
+   ``explicit`` a written-out softmax: on CUDA either is a FAIL, a silent fallback). Any warning of the package too.
+4. Shared keys at 577 tokens as SDPA's stride-0 view and as a contiguous copy: errors, step time, memory held.
+5. Routes: each route of ``CollaborativeAttention`` forced on one layer (``sdpa``, the CUDA default; ``sdpa`` with
+   the saved-tensor hook of the removed ``sdpa-pinned`` path; the CPU ``core``; ``explicit``): time, memory held
+   for backward, error against ``explicit``; timm's ``Attention`` for scale.
+6. One compiled training step (inductor, bfloat16) of a collaborative DeiT against eager.
+7. Whole models at bfloat16 autocast, batch 256 (``--batch``): timm's ``deit_base_patch16_224`` against collab
+   k768/384/192 and concat k384/192, inference and training step, img/s and peak memory.
+8. Coverage: every layer class has a case and every row of ``collab_vit/layers/dispatch.py``'s tables runs what it
+   names (``gpu_coverage``); a missing one is a FAIL.
+
+``--quick`` drops 1025 tokens, the routes section and the concat models of the throughput section, and compiles
+DeiT-S instead of DeiT-B. Imports only torch, timm and this package (``collab_vit``).
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ import statistics
 import sys
 import time
 import warnings
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional
 from unittest import mock
@@ -41,105 +51,18 @@ import torch.nn as nn  # noqa: E402
 from timm.layers import Attention  # noqa: E402
 
 import collab_vit  # noqa: E402,F401  (registers the models)
-from collab_vit import CollaborativeAttention, ConcatAttention  # noqa: E402
 from collab_vit.layers import dispatch  # noqa: E402
 from collab_vit.layers.dispatch import Path as Route  # noqa: E402
 from collab_vit.layers.sdpa_layout import folded_layout, head_queries, shared_keys  # noqa: E402
-from measure import timed  # noqa: E402  (benchmarks/measure.py, beside this file)
+from gpu_coverage import LAYERS, coverage_section  # noqa: E402  (benchmarks/, beside this file)
+from gpu_numerics import (FORWARD_STEPS, Shapes, autocast, correctness_section, layouts_section,  # noqa: E402
+                          rel_error, rounding_tolerance, sdpa_args_section, shapes)
+from measure import timed  # noqa: E402
 
 BASELINE = "deit_base_patch16_224"
 MODELS = [BASELINE, "collab_deit_base_patch16_224_k192", "collab_deit_base_patch16_224_k384",
           "collab_deit_base_patch16_224_k768", "concat_deit_base_patch16_224_k384", "concat_deit_base_patch16_224_k192"]
 TARGETS = {"collab_deit_base_patch16_224_k192": (1.0, 1.05), "collab_deit_base_patch16_224_k384": (0.9, 1.05)}
-FP32_TOL = 1e-4
-
-
-def rounding_tolerance(dtype: torch.dtype, steps: int) -> float:
-    """Relative error bound of a computation in ``dtype``: ``steps`` roundings of unit roundoff ``u = eps / 2``.
-
-    Each rounding perturbs a value by at most ``u`` relative; through well-conditioned steps (linear maps; softmax of
-    logits of order one) the first-order errors add. The forward has 8 roundings on its longest chain (input,
-    projection, mixing, mixed queries, logits, weights, weights x values, output projection), a gradient twice that.
-    """
-    return steps * torch.finfo(dtype).eps / 2
-
-
-def autocast(device: torch.device, dtype: Optional[torch.dtype]):
-    """``torch.autocast`` to ``dtype`` on the device, or nothing for full precision."""
-    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
-def outputs_and_grads(layer: nn.Module, x: torch.Tensor, amp: Optional[torch.dtype], **kwargs) -> list[torch.Tensor]:
-    """Output, input gradient and every parameter gradient of one training step (fixed output weights)."""
-    layer = copy.deepcopy(layer).train()
-    x = x.clone().requires_grad_(True)
-    with autocast(x.device, amp):
-        out = layer(x, **kwargs)
-    weights = torch.linspace(-1, 1, out.numel(), device=x.device).reshape(out.shape)
-    (out.float() * weights).sum().backward()
-    return [out.detach().float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()]
-
-
-def layer_shapes(tiny: bool) -> tuple[int, int, int, int, list[int]]:
-    """dim, heads, tokens, batch, and key dims below / equal to / above the head dim, one not a multiple of 8."""
-    if tiny:  # head dim 16: the CPU core's flash branch (8, 30) and its grouped-matmul branch (96)
-        return 48, 3, 9, 2, [8, 30, 96]
-    return 768, 12, 197, 8, [48, 64, 100, 192, 384, 768]
-
-
-def random_layer(dim: int, heads: int, key_dim: int, qkv_bias: bool, device: torch.device) -> CollaborativeAttention:
-    torch.manual_seed(key_dim)
-    layer = CollaborativeAttention(dim, heads, key_dim=key_dim, qkv_bias=qkv_bias, mixing_init="random")
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, dim ** -0.5)  # logits of order one, as in a trained layer
-    return layer.to(device)
-
-
-def correctness_section(device: torch.device, tiny: bool, report: list[str], failures: list[str]) -> None:
-    dim, heads, tokens, batch, key_dims = layer_shapes(tiny)
-    precisions = [None, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
-    report += ["## Correctness", "",
-               f"`CollaborativeAttention({dim}, {heads}, key_dim)`, batch {batch}, {tokens} tokens, training step. "
-               f"float32: max error / max |ref| of fused vs explicit path (<= {FP32_TOL:g}); 16-bit autocast: "
-               f"relative Frobenius error vs the float32 explicit path, forward and worst gradient "
-               f"(bounds: bfloat16 {rounding_tolerance(torch.bfloat16, 8):.3g} / "
-               f"{rounding_tolerance(torch.bfloat16, 16):.3g}, float16 {rounding_tolerance(torch.float16, 8):.3g} / "
-               f"{rounding_tolerance(torch.float16, 16):.3g}).", "",
-               "| key dim | content bias | mask | precision | output error | worst gradient error | within |",
-               "|---:|---|---|---|---:|---:|---|"]
-    for key_dim in key_dims:
-        for qkv_bias, causal in ((True, False), (False, False), (True, True)):
-            layer = random_layer(dim, heads, key_dim, qkv_bias, device)
-            explicit = copy.deepcopy(layer)
-            explicit.fused_attn = False
-            x = torch.randn(batch, tokens, dim, device=device)
-            kwargs = {"is_causal": causal}
-            reference = outputs_and_grads(explicit, x, None, **kwargs)
-            for amp in precisions:
-                got = outputs_and_grads(layer, x, amp, **kwargs)
-                if amp is None:
-                    errors = [max_error(a, b) for a, b in zip(got, reference)]
-                    ok = max(errors) <= FP32_TOL
-                else:
-                    errors = [rel_error(a, b) for a, b in zip(got, reference)]
-                    ok = (errors[0] <= rounding_tolerance(amp, 8) and max(errors[1:]) <= rounding_tolerance(amp, 16))
-                name = "float32" if amp is None else f"{str(amp)[6:]} autocast"
-                report.append(f"| {key_dim} | {'yes' if qkv_bias else 'no'} | {'causal' if causal else 'none'} | "
-                              f"{name} | {errors[0]:.2e} | {max(errors[1:]):.2e} | {'yes' if ok else '**NO**'} |")
-                if not ok:
-                    failures.append(f"correctness: key dim {key_dim}, {name}, bias {qkv_bias}, causal {causal}")
-    report.append("")
-
-
 KERNEL_CLASSES = (  # (label, substrings of profiler op / kernel names)
     ("memory-efficient", ("_efficient_attention", "fmha_cutlass", "fmha_")),
     ("flash", ("_flash_attention", "flash_fwd", "flash_bwd")),
@@ -169,50 +92,60 @@ def attention_kernels(step: Callable[[], None], device: torch.device) -> tuple[l
     return classes, sorted(shown)
 
 
-def kernel_layers(tiny: bool) -> dict[str, nn.Module]:
-    dim, heads, _, _, key_dims = layer_shapes(tiny)
-    layers: dict[str, nn.Module] = {"timm Attention": Attention(dim, heads, qkv_bias=True)}
-    for key_dim in key_dims[::2] if tiny else key_dims:
-        layers[f"collab k{key_dim}"] = CollaborativeAttention(dim, heads, key_dim=key_dim, qkv_bias=True)
-    layers[f"collab k{key_dims[-1]} no bias"] = CollaborativeAttention(dim, heads, key_dim=key_dims[-1])
-    for key_dim in ((heads * 4,) if tiny else (384, 192)):
-        layers[f"concat k{key_dim}"] = ConcatAttention(dim, heads, key_dim=key_dim, qkv_bias=True)
-    return layers
+def kernel_cases(s: Shapes, tiny: bool) -> list[tuple[str, nn.Module, dict, int]]:
+    """(name, layer, forward keywords, tokens) of the kernels section: timm's ``Attention`` for scale, then every layer
+    case at every key dim it takes (tiny: every other) and length."""
+    first = next(iter(s.lengths))
+    cases = [("timm Attention", Attention(s.dim, s.heads, qkv_bias=True), {}, first)]
+    for case in LAYERS:
+        key_dims = s.key_dims_of(case)
+        for key_dim in key_dims[::2] if tiny and len(key_dims) > 1 else key_dims:
+            for tokens in s.lengths:
+                layer = case.build(s.dim, s.heads, key_dim, tokens)
+                cases.append((f"{case.label} k{key_dim}", layer, case.inputs(s.dim, s.heads, tokens,
+                                                                                torch.device("cpu"), torch.float32),
+                              tokens))
+    return cases
 
 
-def kernels_section(device: torch.device, tiny: bool, report: list[str], failures: list[str]) -> None:
-    dim, heads, tokens, batch, _ = layer_shapes(tiny)
-    modes = [("bf16 train", torch.bfloat16, True), ("bf16 infer", torch.bfloat16, False),
-             ("fp32 train", None, True)]
+def kernels_section(device: torch.device, s: Shapes, tiny: bool, report: list[str], failures: list[str]) -> None:
+    """The kernels each layer runs: bfloat16 training at every length; bfloat16 inference and float32 training at
+    the first. On CUDA a package layer on ``math`` or ``explicit softmax`` is a silent fallback: a FAIL."""
+    first = next(iter(s.lengths))
     report += ["## Kernels", "",
-               f"Profiler op and kernel names per layer (batch {batch}, {tokens} tokens, dim {dim}, {heads} heads). "
-               "A collaborative or concat layer on `math` or `explicit softmax` would be a silent fallback.", "",
-               "| layer | mode | kernel classes | names |", "|---|---|---|---|"]
-    x = torch.randn(batch, tokens, dim, device=device, requires_grad=True)
-    for name, layer in kernel_layers(tiny).items():
+               f"Profiler op and kernel names per layer (dim {s.dim}, {s.heads} heads, batch 2). A package layer on "
+               "`math` or `explicit softmax` on CUDA would be a silent fallback.", "",
+               "| layer | tokens | mode | kernel classes | names |", "|---|---:|---|---|---|"]
+    for name, layer, kwargs, tokens in kernel_cases(s, tiny):
         layer = layer.to(device)
+        kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        x = torch.randn(2, tokens, s.dim, device=device, requires_grad=True)
+        modes = [("bf16 train", torch.bfloat16, True)]
+        if tokens == first:
+            modes += [("bf16 infer", torch.bfloat16, False), ("fp32 train", None, True)]
         for mode, amp, train in modes:
             def step() -> None:
                 with autocast(device, amp):
                     if train:
-                        layer.train()(x).float().sum().backward()
+                        layer.train()(x, **kwargs).float().sum().backward()
                     else:
                         with torch.inference_mode():
-                            layer.eval()(x)
+                            layer.eval()(x, **kwargs)
             step()  # warm-up outside the profile
             classes, names = attention_kernels(step, device)
-            report.append(f"| {name} | {mode} | {', '.join(classes) or '-'} | {'<br>'.join(names) or '-'} |")
-            if name != "timm Attention" and ({"math", "explicit softmax"} & set(classes)):
-                failures.append(f"kernels: {name} {mode} ran {classes}")
+            report.append(f"| {name} | {tokens} | {mode} | {', '.join(classes) or '-'} | "
+                          f"{'<br>'.join(names) or '-'} |")
+            if device.type == "cuda" and name != "timm Attention" and {"math", "explicit softmax"} & set(classes):
+                failures.append(f"kernels: {name} {tokens} tokens {mode} ran {classes}")
     report.append("")
 
 
-def held_bytes(layer: nn.Module, x: torch.Tensor, amp: Optional[torch.dtype]) -> int:
+def held_bytes(layer: nn.Module, x: torch.Tensor, amp: Optional[torch.dtype], kwargs: Optional[dict] = None) -> int:
     """Bytes the allocator holds after one training forward beyond what it held before: what backward keeps."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with autocast(x.device, amp):
-        out = layer(x)
+        out = layer(x, **(kwargs or {}))
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
     del out
@@ -281,22 +214,24 @@ def time_route(layer: nn.Module, x: torch.Tensor, repeats: int) -> tuple[torch.T
     return out, fwd, step, held
 
 
-def routes_section(device: torch.device, tiny: bool, repeats: int, report: list[str], failures: list[str]) -> None:
+def routes_section(device: torch.device, s: Shapes, tiny: bool, repeats: int, report: list[str],
+                   failures: list[str]) -> None:
     """Every route of ``CollaborativeAttention`` on this device, forced: bf16 forward / training-step time and, on
     CUDA, the memory held for backward; timm's ``Attention`` for scale. The evidence for ``dispatch``'s table."""
-    dim, heads, tokens, _, key_dims = layer_shapes(tiny)
+    tokens = next(iter(s.lengths))
     batch = 2 if tiny else 64
+    bound = rounding_tolerance(torch.bfloat16, 2 * FORWARD_STEPS)  # two bf16 computations, each within 8 roundings
     report += ["## Routes (one layer, each route forced)", "",
-               f"Batch {batch}, {tokens} tokens, dim {dim}, {heads} heads, bf16 autocast; median of {repeats} after "
-               "one warm-up. Held: allocator bytes after a training forward (CUDA only). Error: the output's "
-               f"relative Frobenius error against the explicit route (bound {rounding_tolerance(torch.bfloat16, 8):.3g}).",
+               f"Batch {batch}, {tokens} tokens, dim {s.dim}, {s.heads} heads, bf16 autocast; median of {repeats} "
+               "after one warm-up. Held: allocator bytes after a training forward (CUDA only). Error: the output's "
+               f"relative Frobenius error against the explicit route (bound {bound:.3g}).",
                "", "| layer | route | forward ms | train step ms | held MiB | error vs explicit |",
                "|---|---|---:|---:|---:|---:|"]
-    x = torch.randn(batch, tokens, dim, device=device, requires_grad=True)
-    _, fwd, step, held = time_route(Attention(dim, heads, qkv_bias=True).to(device).train(), x, repeats)
+    x = torch.randn(batch, tokens, s.dim, device=device, requires_grad=True)
+    _, fwd, step, held = time_route(Attention(s.dim, s.heads, qkv_bias=True).to(device).train(), x, repeats)
     report.append(f"| timm Attention | - | {fwd:.2f} | {step:.2f} | {held} | - |")
-    for key_dim in key_dims[::2] if tiny else key_dims:
-        layer = random_layer(dim, heads, key_dim, True, device).train()
+    for key_dim in s.key_dims[::2] if tiny else s.key_dims:
+        layer = LAYERS[0].build(s.dim, s.heads, key_dim, tokens).to(device)
         results = {}
         for label in ROUTES:
             with forced_route(label):
@@ -304,9 +239,84 @@ def routes_section(device: torch.device, tiny: bool, repeats: int, report: list[
         for label, (out, fwd, step, held) in results.items():
             error = rel_error(out, results["explicit"][0])
             report.append(f"| collab k{key_dim} | {label} | {fwd:.2f} | {step:.2f} | {held} | {error:.2e} |")
-            if error > rounding_tolerance(torch.bfloat16, 8):
+            if error > bound:
                 failures.append(f"routes: collab k{key_dim} {label} differs from explicit by {error:.2e}")
     report.append("")
+
+
+def step_timer(repeats: int) -> Callable[[nn.Module, torch.Tensor, Optional[torch.dtype], dict], str]:
+    """``timed_step`` of ``gpu_numerics.layouts_section``: on CUDA the median training-step ms of ``repeats`` and
+    the MiB held for backward, as "ms / MiB"; elsewhere "-"."""
+    def timed_step(layer: nn.Module, x: torch.Tensor, amp: Optional[torch.dtype], kwargs: dict) -> str:
+        if x.device.type != "cuda":
+            return "-"
+        x = x.detach().requires_grad_(True)
+
+        def train() -> None:
+            with autocast(x.device, amp):
+                out = layer(x, **kwargs)
+            out.float().sum().backward()
+
+        train()
+        ms = statistics.median(timed(train, x.device) for _ in range(repeats)) * 1e3
+        held = held_bytes(layer, x, amp, kwargs) / 2 ** 20
+        layer.zero_grad(set_to_none=True)
+        return f"{ms:.2f} / {held:.1f}"
+    return timed_step
+
+
+def compiled_section(device: torch.device, tiny: bool, quick: bool, repeats: int, report: list[str],
+                     failures: list[str]) -> None:
+    """One training step of a collaborative DeiT under ``torch.compile`` (inductor on CUDA; the tiny CPU mode uses
+    ``aot_eager``: inductor's C++ build of even a tiny model takes minutes on a small CPU), bfloat16 autocast: compile
+    time, step time against eager, the first loss against eager's (same weights and batch), the SDPA kernels."""
+    name, batch, kwargs = (("collab_deit_tiny_patch16_224_k48", 2, dict(img_size=32, patch_size=8, depth=2)) if tiny
+                           else ("collab_deit_small_patch16_224_k96", 64, {}) if quick
+                           else ("collab_deit_base_patch16_224_k192", 64, {}))
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    torch.manual_seed(0)
+    eager = timm.create_model(name, **kwargs).to(device).train()
+    size = kwargs.get("img_size", 224)
+    images = torch.randn(batch, 3, size, size, device=device)
+    targets = torch.randint(0, eager.num_classes, (batch,), device=device)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend=backend)
+    losses, times = {}, {}
+    for label, net in (("eager", eager), ("compiled", compiled)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+        def step() -> torch.Tensor:
+            with autocast(device, torch.bfloat16):
+                loss = nn.functional.cross_entropy(net(images), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach().float()
+
+        started = time.perf_counter()
+        losses[label] = step().item()
+        times[label + " first"] = time.perf_counter() - started
+        times[label] = statistics.median(timed(step, device) for _ in range(repeats)) * 1e3
+
+    def compiled_pass() -> None:
+        with autocast(device, torch.bfloat16):  # the compiled graph's dtype: no recompilation
+            loss = nn.functional.cross_entropy(compiled(images), targets)
+        loss.backward()
+
+    classes, _ = attention_kernels(compiled_pass, device)
+    bound = rounding_tolerance(torch.bfloat16, 2 * FORWARD_STEPS * len(eager.blocks))
+    error = abs(losses["compiled"] - losses["eager"]) / abs(losses["eager"])
+    fused = {"memory-efficient", "flash", "cudnn"} & set(classes)  # inductor may decompose a math fallback: ask
+    ok = error <= bound and not (device.type == "cuda" and ({"math", "explicit softmax"} & set(classes) or not fused))
+    report += ["## Compiled training step", "",
+               f"`{name}`, batch {batch}, bfloat16 autocast, AdamW; `torch.compile(backend='{backend}')`.", "",
+               "| first step s (eager / compiled) | step ms (eager / compiled) | first loss (eager / compiled) | "
+               "relative difference (bound) | compiled kernels | within |", "|---|---|---|---|---|---|",
+               f"| {times['eager first']:.2f} / {times['compiled first']:.2f} | {times['eager']:.1f} / "
+               f"{times['compiled']:.1f} | {losses['eager']:.5f} / {losses['compiled']:.5f} | {error:.2e} "
+               f"({bound:.2e}) | {', '.join(classes) or '-'} | {'yes' if ok else '**NO**'} |", ""]
+    if not ok:
+        failures.append(f"compiled step: loss differs by {error:.2e} or kernels {classes}")
 
 
 def measure_model(name: str, device: torch.device, batch: int, warmup: int, repeats: int,
@@ -348,11 +358,11 @@ def measure_model(name: str, device: torch.device, batch: int, warmup: int, repe
     return {"infer": batch / infer_s, "train": batch / train_s, "peak": peak}
 
 
-def throughput_section(device: torch.device, tiny: bool, batch: int, warmup: int, repeats: int, report: list[str],
-                       failures: list[str]) -> None:
+def throughput_section(device: torch.device, tiny: bool, quick: bool, batch: int, warmup: int, repeats: int,
+                       report: list[str], failures: list[str]) -> None:
     kwargs = dict(img_size=32, patch_size=8, depth=2) if tiny else {}
     names = [BASELINE.replace("base", "tiny"), "collab_deit_tiny_patch16_224_k48",
-             "concat_deit_tiny_patch16_224_k48"] if tiny else MODELS
+             "concat_deit_tiny_patch16_224_k48"] if tiny else [m for m in MODELS if not (quick and "concat" in m)]
     report += ["## Throughput and peak memory (bf16 autocast)", "",
                f"Batch {batch}{', tiny models (32 px, patch 8, depth 2)' if tiny else ', 224 px'}; median of "
                f"{repeats} after {warmup} warm-up; training step = forward, backward, AdamW. The baseline runs "
@@ -377,10 +387,14 @@ def throughput_section(device: torch.device, tiny: bool, batch: int, warmup: int
     report.append("")
 
 
+QUICK_DROPS = "1025 tokens, the routes section, the concat models' throughput; DeiT-S compiled instead of DeiT-B"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes and models (seconds; the test suite's mode)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and models (the test suite's mode)")
+    parser.add_argument("--quick", action="store_true", help=f"drop parts: {QUICK_DROPS}")
     parser.add_argument("--batch", type=int, default=None, help="whole-model batch (default 256; tiny: 2)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
@@ -398,15 +412,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = [f"# GPU check of collab-vit's attention ({datetime.date.today().isoformat()})", "",
               f"{machine}, torch {torch.__version__}, timm {timm.__version__}; command: "
               f"`python benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`", ""]
+    if args.quick:
+        report += [f"`--quick` dropped: {QUICK_DROPS}.", ""]
+    s = shapes(args.tiny, args.quick)
     failures: list[str] = []
     started = time.time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        correctness_section(device, args.tiny, report, failures)
-        kernels_section(device, args.tiny, report, failures)
-        routes_section(device, args.tiny, repeats, report, failures)
+        correctness_section(device, s, report, failures)
+        sdpa_args_section(device, s, report, failures)
+        kernels_section(device, s, args.tiny, report, failures)
+        layouts_section(device, s, report, failures, step_timer(repeats))
+        if not args.quick:
+            routes_section(device, s, args.tiny, repeats, report, failures)
+        compiled_section(device, args.tiny, args.quick, repeats, report, failures)
         if not args.skip_throughput:
-            throughput_section(device, args.tiny, batch, warmup, repeats, report, failures)
+            throughput_section(device, args.tiny, args.quick, batch, warmup, repeats, report, failures)
+        coverage_section(device, report, failures)
     layer_warnings = sorted({str(w.message) for w in caught if str(w.message).startswith("collab_vit")})
     failures += [f"warning: {message}" for message in layer_warnings]
     report += ["## Verdict", "", f"Wall time {time.time() - started:.0f} s.", ""]

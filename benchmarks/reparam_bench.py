@@ -39,6 +39,7 @@ from collab_vit.conversion import decompose as dec
 from collab_vit.conversion import reparam
 from collab_vit.conversion.capture import source_tokens
 from collab_vit.conversion.fit import single_thread
+from collab_vit.conversion.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decompose_bench import planted_layer  # noqa: E402
@@ -72,13 +73,13 @@ def probe_inputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def output_error(attn, decomposition: dec.Decomposition, tokens: torch.Tensor) -> float:
     """||attn~(x) - attn(x)|| / ||attn(x)||, as ``reparametrize`` computes it."""
-    return reparam.output_error(reparam.layer_from_decomposition(attn, decomposition), attn, tokens)
+    return reparam.output_error(reparam.layer_from_decomposition(attn, decomposition), attn, (tokens, {}))
 
 
 def run_ours(model: torch.nn.Module, weights: str, key_dim: int, method: str) -> dict:
     m = copy.deepcopy(model)
     start = time.perf_counter()
-    _, reports = reparam.reparametrize(m, key_dim, method, seed=PROBE_SEED, progress=True, return_report=True)
+    reports = reparam.convert_model(m, key_dim, method, None, "default", PROBE_SEED, True, Recipe())
     wall = time.perf_counter() - start
     tensor = [r.tensor_error for r in reports]
     out = [r.output_error for r in reports]

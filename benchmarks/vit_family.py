@@ -152,7 +152,7 @@ def measure(label: str) -> Row:
     exact = full_rank(label)
     source = create(name, kwargs)
     half = copy.deepcopy(source)
-    collab_vit.reparametrize(half, key_dim=source.embed_dim // 2, method="tucker", progress=False)
+    collab_vit.reparametrize(half, key_dim=source.embed_dim // 2, progress=False)
     x = images()
     base, approx = logits(source, x), logits(half, x)
     agreement = (base.argmax(-1) == approx.argmax(-1)).double().mean().item()

@@ -9,8 +9,8 @@ whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` / ``
 """
 from ._version import __version__
 from .conversion import reparam
-from .conversion.budget import Budget
-from .conversion.reparam import reparametrize, reparametrize_attention, reparametrize_layers
+from .conversion.dims import removed_name
+from .conversion.reparam import reparametrize, reparametrize_attention
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
 from .layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
 from .layers.weight_decay import exclude_mixing_from_decay
@@ -18,7 +18,10 @@ from .models import COLLAB_MODELS, CONCAT_MODELS
 from .models_rope import ROPE_MODELS
 from .hub import push_to_hf_hub, save_pretrained
 
-__all__ = ["Budget", "CollaborativeAttention", "CollaborativeAttentionRope", "CollaborativeEvaAttention",
-           "ConcatAttention", "attention_class", "reparametrize", "reparametrize_attention",
-           "reparametrize_layers", "reparam", "COLLAB_MODELS", "CONCAT_MODELS", "ROPE_MODELS", "save_pretrained", "push_to_hf_hub",
-           "exclude_mixing_from_decay"]
+__all__ = ["CollaborativeAttention", "CollaborativeAttentionRope", "CollaborativeEvaAttention", "ConcatAttention",
+           "attention_class", "reparametrize", "reparametrize_attention", "reparam", "COLLAB_MODELS", "CONCAT_MODELS",
+           "ROPE_MODELS", "save_pretrained", "push_to_hf_hub", "exclude_mixing_from_decay"]
+
+
+def __getattr__(name: str) -> object:
+    raise removed_name(__name__, name)  # a removed public name says what replaced it

@@ -14,9 +14,9 @@ import torch
 
 from .checks import positive_int
 from .console import run_command
+from .conversion.dims import REMOVED
 from .conversion.families import family_names_short
-from .conversion.fit import METHODS
-from .conversion.recipe import DEFAULT_IMAGES, EFFORTS
+from .conversion.recipe import DEFAULT_IMAGES, EFFORTS, check_effort
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
 from .models_rope import ROPE_MODELS, ROPE_SIZES, ROPE_VARIANTS
@@ -150,19 +150,19 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 
 def _convert(args: argparse.Namespace) -> None:
     from .conversion.files import convert_to_file, format_report, format_summary, parse_key_dim
-    from .conversion.recipe import Recipe
     from .conversion.support import kept_text
     from .hub import save_pretrained
     from .training.config import parse_key_value_pairs
 
+    key_dim = parse_key_dim(args.key_dim)
+    effort = check_effort(args.effort)
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
     calibration = _calibration(args)
-    reports = convert_to_file(args.model, parse_key_dim(args.key_dim), args.method, args.out, args.checkpoint,
-                              seed=args.seed, model_kwargs=model_kwargs, calibration=calibration,
-                              device=args.device, save_folder=save_pretrained, effort=args.effort,
-                              recipe=Recipe(amp=torch.device(args.device).type == "cuda"))
+    reports = convert_to_file(args.model, key_dim, args.out, args.checkpoint, seed=args.seed, model_kwargs=model_kwargs,
+                              calibration=calibration, device=args.device, save_folder=save_pretrained,
+                              effort=effort)
     print(format_report(reports))
     if reports.summary:
         print(format_summary(reports.summary))
@@ -178,14 +178,11 @@ def _analyze(args: argparse.Namespace) -> None:
     from .training.config import parse_key_value_pairs
 
     model_kwargs = parse_key_value_pairs(args.model_kwargs, "--model-kwargs")
-    table, suggestion, budget = analyze_to_files(args.model, args.checkpoint, args.out, args.threshold,
-                                                 calibration=_calibration(args), model_kwargs=model_kwargs,
-                                                 seed=args.seed)
+    table, suggestion = analyze_to_files(args.model, args.checkpoint, args.out, args.threshold,
+                                         calibration=_calibration(args), model_kwargs=model_kwargs, seed=args.seed)
     print(table)
     print(f"wrote {args.out / 'spectrum.md'} and {args.out / 'spectrum.png'}\n"
-          f"suggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}\n"
-          f"suggested budget (the same {args.threshold:.0%} of the energy summed over the layers, spread by marginal "
-          f"gain): --key-dim {budget}")
+          f"suggested key_dim ({args.threshold:.0%} of the energy in every layer): {suggestion}")
 
 
 def _prepare_data(args: argparse.Namespace) -> None:
@@ -224,30 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help=f"re-parametrise a timm ViT ({FAMILY_LIST}, ...) into collaborative attention",
         description=f"Convert a timm ViT ({FAMILY_LIST}, ...) into collaborative attention (rotary ones per "
-        "frequency, an even key dim). Recommended: --key-dim K (or budget=F) with calibration images "
+        "frequency, an even key dim). Recommended: --key-dim K with calibration images "
         "(--calibration-data-dir ...): candidates are measured on held-out images and the result is never worse "
         f"there than the weight-only conversion. {REFUSED_TEXT}")
     add_source_flags(convert)
-    convert.add_argument("--key-dim", required=True, help="int (every layer), comma list (per layer), budget=F "
-                         "(F of the source's q/k parameters, spread over the layers) or an energy threshold (0.95)")
-    convert.add_argument("--method", choices=list(METHODS), default="tucker",
-                         help="tucker, cp (factored, fast) or parafac (the paper's tensorly procedure, dense; "
-                         "default: %(default)s)")
+    convert.add_argument("--key-dim", required=True, help="int (every layer) or comma list (one per layer); "
+                         "collab-vit analyze suggests one")
     convert.add_argument("--out", type=Path, required=True,
                          help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json")
     convert.add_argument("--seed", type=int, default=0,
                          help="seed of the decompositions, refinement and calibration draw (default: %(default)s)")
     convert.add_argument("--device", default="cpu", help="forward passes and refinement, e.g. cuda (default: cpu)")
     data = add_calibration_flags(convert, "the recommended recipe")
-    data.add_argument("--effort", choices=list(EFFORTS), default="default",
+    data.add_argument("--effort", default="default", metavar="{" + ",".join(EFFORTS) + "}",
                       help="fast: closed forms only; default: the better one refined layer by layer (16 passes "
-                      "over the images); thorough: refined as a whole model (160 passes over 8 views of each, about "
-                      "20x the default's compute)")
+                      "over the images)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot",
                                   description=f"The redundancy spectrum of every attention layer (section 3.1; "
-                                  f"rotary layers per frequency, in shared pairs), a suggested key dim and budget, "
+                                  f"rotary layers per frequency, in shared pairs) and a suggested key dim, "
                                   f"for the models convert takes ({FAMILY_LIST}, ...). {REFUSED_TEXT}")
     add_source_flags(analyze)
     analyze.add_argument("--out", type=Path, required=True,
@@ -267,14 +260,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+REMOVED_FLAGS = {"--method": "method"}  # flags that left the command: one line naming what replaced them
+
+
+def refuse(why: str) -> None:
+    raise ValueError(why)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry (``console.run_command``): bad input (any ValueError, OSError or RuntimeError) is one line,
     exit 2; a failed write (a full disk) or too little memory one line, exit 1; SIGINT / SIGTERM one line, exit 130 /
     143. A failure
     leaves as ``SystemExit`` (as argparse's own errors do)."""
-    args = build_parser().parse_args(argv)
-    code = run_command(lambda: args.run(args), (ValueError, OSError, RuntimeError), (WriteError, MemoryError),
-                       name=f"collab-vit {args.command}")
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    removed = next((REMOVED[key] for arg in unknown for flag, key in REMOVED_FLAGS.items()
+                    if arg == flag or arg.startswith(flag + "=")), None)
+    if unknown and removed is None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    code = run_command(lambda: refuse(removed) if removed else args.run(args), (ValueError, OSError, RuntimeError),
+                       (WriteError, MemoryError), name=f"collab-vit {args.command}")
     if code:
         sys.exit(code)
     return 0

@@ -39,10 +39,10 @@ def images_of(args: argparse.Namespace, source: torch.nn.Module, meta: dict, cou
 def blockwise_cell(source: torch.nn.Module, images: torch.Tensor, key_dim: int, steps: int, samples: int,
                    args: argparse.Namespace, test: tuple) -> dict:
     model = copy.deepcopy(source).eval()
-    recipe = Recipe(holdout=64, views=1, samples=samples, refine_lr=args.lr, batch_size=args.batch)
+    recipe = Recipe(holdout=64, samples=samples, refine_lr=args.lr, batch_size=args.batch)
     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
-    dims = run.dims(key_dim)
-    starts = {name: run.fit_start(name, dims[name]) for name in ("weight", "whitened")}
+    dims = [key_dim] * len(run.layers)
+    starts = {name: run.fit_start(name, dims) for name in ("weight", "whitened")}
     row = {"starts": {}}
     for name, candidate in starts.items():
         run.measure(candidate)

@@ -145,13 +145,13 @@ def grid(args: argparse.Namespace) -> None:
         if path.exists():
             continue
         model = copy.deepcopy(source).eval()
-        recipe = Recipe(refine_lr=lr, views=1, holdout=holdout)  # as ``calibrated`` runs the default: no views
+        recipe = Recipe(refine_lr=lr, holdout=holdout)
         run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed,
                         ROTARY if rotary else STANDARD)
-        dims = run.dims(key_dim)
+        dims = [key_dim] * len(run.layers)
         starts = {}
         for name in run.builder.starts:
-            candidate = run.fit_start(name, dims[name])
+            candidate = run.fit_start(name, dims)
             starts[name] = {"held": candidate.held.tolist(), **packed(predictions(model, test)),
                             "candidate": candidate}
         base = min(starts, key=lambda n: starts[n]["candidate"].held_kl)  # the start the package refines

@@ -96,10 +96,10 @@ def sequential(run: RecipeRun, base: Candidate, steps: int, compensate: bool = T
 
 def cell(source: torch.nn.Module, images: torch.Tensor, key_dim: int, rotary: bool, seed: int, test: tuple) -> dict:
     model = copy.deepcopy(source).eval()
-    recipe = Recipe(views=1)
+    recipe = Recipe()
     run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", seed, ROTARY if rotary else STANDARD)
-    dims = run.dims(key_dim)
-    starts = {name: run.fit_start(name, dims[name]) for name in run.builder.starts}
+    dims = [key_dim] * len(run.layers)
+    starts = {name: run.fit_start(name, dims) for name in run.builder.starts}
     row: dict = {"starts": {}}
     for name, candidate in starts.items():
         run.measure(candidate)

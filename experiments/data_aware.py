@@ -7,16 +7,17 @@ Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fas
 * ``weight``: the weight-only Tucker conversion;
 * ``recipe`` (``recipe-fast``): what ``collab_vit.reparametrize(model, K, calibration=images,
   effort=...)`` gives: the candidates below measured on held-out calibration images, the best kept, never worse there
-  than weight-only; ``recipe-thorough``: the same with both starts refined (the removed ``effort="thorough"``);
-* its candidates alone: ``data`` (the whitened closed form, the class token weighted by the "balanced" rule),
-  ``weight+refine`` / ``data+refine`` (then the label-free refinement, steps from the images as the recipe's);
+  than weight-only;
+* its closed-form candidate alone: ``data`` (the whitened closed form, the class token weighted by the "balanced"
+  rule);
 * ``cut`` / ``cut-white``: the baseline a user would otherwise pick at the same q/k budget, the standard layer cut
   to K / heads dims per head by each head's truncated SVD of ``T_i`` (weight-only / of the whitened ``T_i``), with
   the content bias kept exact as in the collaborative layers.
 
-Key dims: ints, energy thresholds (0.95) or budgets (budget=0.125). Calibration images come from the *training* split
-(seeded draw); the per-layer errors are measured on 64 further held-out training images. Variants measured and
-removed (sequential capture, layer-wise losses, refining the values) are in RESULTS.md (b), commit c2a1b61.
+Key dims: ints. Calibration images come from the *training* split (seeded draw); the per-layer errors are measured on
+64 further held-out training images. Variants measured and removed (sequential capture, layer-wise losses, refining
+the values: RESULTS.md (b), commit c2a1b61; the whole-model refinement, both starts refined, energy thresholds,
+budgets and their held-out allocation: issue 54, the commit before it) are in RESULTS.md's history.
 Writes ``results/data_aware/<cell>.json``, ``table.md``, ``top1_vs_key_dim.png``.
 """
 from __future__ import annotations
@@ -33,16 +34,12 @@ import torch
 from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 
 from collab_vit.cli import calibration_loader
-import torch.nn.functional as F
 
-from collab_vit.conversion.budget import Budget, allocate
-from collab_vit.conversion.calibration import calibration_images, prefix_weight_for, whitening
-from collab_vit.conversion.capture import prefix_tokens, source_tokens
-from collab_vit.conversion.fit import fit_attention
-from collab_vit.conversion.refine import mean_kl
+from collab_vit.conversion.calibration import calibration_images, whitening
+from collab_vit.conversion.capture import source_tokens
 from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import Recipe, split
+from collab_vit.conversion.recipe import Recipe
 from collab_vit.conversion.reparam import (convert_model, layer_from_decomposition, output_error,
                                            probe_input_size, timm_attention_layers)
 
@@ -88,37 +85,10 @@ def cut_baseline(model: torch.nn.Module, key_dim: int, calibration: torch.Tensor
         layer = layer_from_decomposition(attn, Decomposition(cut.query.float(), cut.key.float(), cut.mixing.float(),
                                                              err, 0))
         rows.append({"name": name, "key_dim": nh * r, "tensor_error": err,
-                     "output_error": output_error(layer, attn, held_tokens[index])})
+                     "output_error": output_error(layer, attn, (held_tokens[index], {}))})
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
     return rows
-
-
-@torch.no_grad()
-def held_out_allocation(source: torch.nn.Module, images: torch.Tensor, total: int, args: argparse.Namespace
-                        ) -> tuple[list[int], list[list[float]]]:
-    """A budget spread by the held-out measure instead of the whitened spectra: for each layer l and key dim k, the
-    held-out KL to the source of the model with only layer l converted (the whitened closed form at k, class token
-    balanced; the recipe's split of ``images``), then ``budget.allocate`` on the curves ``-KL_l(k)`` (made
-    non-decreasing). Returns the dims and the curves."""
-    model = copy.deepcopy(source).eval()
-    layers = timm_attention_layers(model)
-    fit = split(images.shape[0], None)
-    moments, _, _, outputs = source_tokens(model, layers, images, fit, 64)
-    held, target = images[fit:], F.log_softmax(outputs[fit:].float(), dim=-1)
-    weight = prefix_weight_for("balanced", prefix_tokens(model), model.patch_embed.num_patches)
-    curves = []
-    for (name, attn), m in zip(layers, moments):
-        sides = whitening(m, args.ridge, weight)
-        parent, _, child = name.rpartition(".")
-        kl = []
-        for k in range(1, attn.num_heads * attn.head_dim + 1):
-            setattr(model.get_submodule(parent), child, fit_attention(attn, k, "tucker", sides, seed=args.seed).layer.eval())
-            kl.append(mean_kl(model, held, target, 64))
-        setattr(model.get_submodule(parent), child, attn)
-        curves.append(kl)
-    dims = allocate(total, [torch.cummax(-torch.tensor(c, dtype=torch.float64), 0).values for c in curves])
-    return dims, curves
 
 
 @torch.no_grad()
@@ -141,11 +111,9 @@ def within_image_error(model: torch.nn.Module, source: torch.nn.Module, held: to
     return fmean(errors)
 
 
-PINNED = {"data": ("whitened",), "weight+refine": ("weight+refine",), "data+refine": ("whitened+refine",),
-          "recipe-thorough": ("weight", "whitened", "weight+refine", "whitened+refine")}  # both refined (removed)
+PINNED = {"data": ("whitened",)}
 EFFORT = {"recipe-fast": "fast", "recipe": "default"}
-COLUMN_ORDER = ["weight", "recipe-fast", "recipe", "recipe-thorough", "recipe-heldout", "data", "weight+refine",
-                "data+refine", "cut", "cut-white"]
+COLUMN_ORDER = ["weight", "recipe-fast", "recipe", "data", "cut", "cut-white"]
 
 
 def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: torch.Tensor, held: torch.Tensor,
@@ -161,19 +129,13 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
     elif variant == "weight":
         reports = convert_model(model, key_dim, "tucker", None, "fast", args.seed, False, Recipe(), probe=held)
         layers = [r.as_dict() for r in reports]
-    elif variant == "recipe-heldout":  # a budget spread by the held-out measure, then the default recipe
-        full = [a.num_heads * a.head_dim for _, a in timm_attention_layers(source)]
-        dims, curves = held_out_allocation(source, pool[:n], key_dim.total(full), args)
-        reports = convert_model(model, dims, "tucker", pool[:n], "default", args.seed, False, Recipe(ridge=args.ridge))
-        layers, summary = [r.as_dict() for r in reports], {**reports.summary, "held_out_kl_curves": curves}
     else:
         recipe = Recipe(ridge=args.ridge, candidates=PINNED.get(variant), refine_steps=args.refine_steps)
         reports = convert_model(model, key_dim, "tucker", pool[:n], EFFORT.get(variant, "default"), args.seed, False,
                                 recipe)
         layers, summary = [r.as_dict() for r in reports], reports.summary
     seconds = time.perf_counter() - start
-    shown = f"budget={key_dim.fraction!r}" if isinstance(key_dim, Budget) else key_dim
-    row = {"name": name, "variant": variant, "key_dim": shown, "images": 0 if variant in ("weight", "cut") else n,
+    row = {"name": name, "variant": variant, "key_dim": key_dim, "images": 0 if variant in ("weight", "cut") else n,
            "key_dims": [x["key_dim"] for x in layers], "top1": top1(model, *test), "top1_source": args.top1_source,
            "seconds": round(seconds, 2), "output_error": fmean(x["output_error"] for x in layers),
            "within_image_logit_error": within_image_error(model, source, held),
@@ -259,19 +221,6 @@ def plot(rows: list[dict], top1_source: float, path: Path, images: int = 256) ->
     fig.savefig(path)
 
 
-def parse_key(key: str, variant: str, found: dict, source: torch.nn.Module):
-    """``8`` (every layer), ``0.95`` (energy threshold), ``budget=0.125``, or ``match=0.95``: the budget whose total
-    equals the key dims the same variant's ``0.95`` cell picked (``recipe``'s for ``recipe-heldout``), for the
-    comparison at equal q/k parameters."""
-    if key.startswith("budget="):
-        return Budget.parse(key)
-    if key.startswith("match="):
-        row = found[("recipe" if variant == "recipe-heldout" else variant, key[len("match="):])]
-        full = sum(a.num_heads * a.head_dim for _, a in timm_attention_layers(source))
-        return Budget(sum(row["key_dims"]) / full)
-    return float(key) if "." in key else int(key)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", type=Path, required=True, help="a trained standard model (.safetensors export)")
@@ -280,7 +229,7 @@ def main() -> None:
     p.add_argument("--key-dims", nargs="+", default=["32", "16", "8", "4"])
     p.add_argument("--variants", nargs="+", choices=COLUMN_ORDER, default=COLUMN_ORDER)
     p.add_argument("--images", nargs="+", type=int, default=[256], help="calibration image counts")
-    p.add_argument("--refine-steps", type=int, default=None, help="default: the recipe's (80 passes over the images)")
+    p.add_argument("--refine-steps", type=int, default=None, help="default: the recipe's (16 passes over the images)")
     p.add_argument("--ridge", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -296,18 +245,13 @@ def main() -> None:
     pool = calibration_images(loader, probe_input_size(source))
     pool, held = pool[:-HELD_OUT], pool[-HELD_OUT:]
     rows = []
-    found: dict[tuple[str, str], dict] = {}
     for key in args.key_dims:
         for variant in args.variants:
-            key_dim = parse_key(key, variant, found, source)
-            if (variant.startswith("cut") and not isinstance(key_dim, int)) or (
-                    variant == "recipe-heldout" and not isinstance(key_dim, Budget)):
-                continue
+            key_dim = int(key)
             for n in (args.images if variant not in ("weight", "cut") else [max(args.images)]):
                 tag = "" if variant in ("weight", "cut") else f"_n{n}"
                 rows.append(run_cell(f"{variant}_k{key}{tag}".replace("+", "_"), source, key_dim, variant, pool,
                                      held, n, test, args))
-                found[(variant, key)] = rows[-1]
     main_count = 256 if 256 in args.images else max(args.images)
     (args.results / "table.md").write_text(table(rows, args.top1_source) + "\n" +
                                            summary_table(rows, args.top1_source, main_count))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# RESULTS.md (b), the recipe after a fine-tune: for each key dim in KEYS (default: 4 per layer, and the same total as
-# a budget, budget=0.0625), `collab-vit convert` weight-only and with the recipe (256 training images, default
-# effort) into a hub folder, eval.py right after, then the 1-epoch fine-tune of configs/fmnist/finetune.yaml on the
-# folder's architecture (`--model local-dir:`). Control: the source fine-tuned the same way (CONTROL=0 skips it). ~5 min per fine-tune.
+# RESULTS.md (b), the recipe after a fine-tune: for each key dim in KEYS (default: 4 per layer; its budget=0.0625
+# cells came from before issue 54, which removed budgets), `collab-vit convert` weight-only and with the recipe (256
+# training images, default effort) into a hub folder, eval.py right after, then the 1-epoch fine-tune of
+# configs/fmnist/finetune.yaml on the folder's architecture (`--model local-dir:`). Control: the source fine-tuned the
+# same way (CONTROL=0 skips it). ~5 min per fine-tune.
 #   SRC=runs/experiments/data_aware/model.safetensors DATA=data PYTHON=.venv/bin/python bash experiments/data_aware_finetune.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ py=${PYTHON:-python}
 data=${DATA:-data}
 src=${SRC:-runs/experiments/data_aware/model.safetensors}
 out=${OUT:-$(dirname "$src")/finetune}
-keys=${KEYS:-4 budget=0.0625}
+keys=${KEYS:-4}
 mkdir -p "$out"
 cal=(--calibration-dataset torch/fashion_mnist --calibration-data-dir "$data" --calibration-images 256)
 arch=(patch_size=4 embed_dim=64 depth=4 num_heads=4 img_size=28 in_chans=1)

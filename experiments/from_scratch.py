@@ -32,11 +32,10 @@ VARIANTS = [  # (config, attention, key dim, mixing init)
     ('concat_k32', 'concatenate (reduced)', D // 2, ''),
     ('concat_k16', 'concatenate (reduced)', D // 4, ''),
     ('concat_k8', 'concatenate (reduced)', D // 8, ''),
-    # issue 21: one dim per head, where cutting may cost accuracy; the mixing lr multiplier (configs say the rule)
+    # issue 21: one dim per head, where cutting may cost accuracy (its mixing-lr variant was removed: issue 54)
     ('concat_k4', 'concatenate (reduced)', D // 16, ''),
     ('collab_k4', 'collaborative', D // 16, 'concatenate'),
     ('collab_k4_random', 'collaborative', D // 16, 'random'),
-    ('collab_k4_random_mixlr', 'collaborative', D // 16, 'random, mixing lr x100'),
 ]
 
 

@@ -12,9 +12,10 @@ Every cell converts the source at a q/k dim per layer (no fine-tune) and evaluat
 * ``optimal``: the per-frequency form with the ranks that minimise the summed tensor error (dynamic programming);
 * ``weight``: ``collab_vit.reparametrize(model, K)``: the per-frequency form with ``R_p`` = the number of heads that
   keep ``p`` under ``select``, each fit started from that selection (the issue's third row);
-* ``recipe``: ``collab_vit.reparametrize(model, K, calibration=--images training images)`` (default effort);
-* ``recipe-before``: the recipe's constants before issue 34 (32 held out, no views, 80 passes of the whole-model
-  refinement; since issue 40 both starts refined, the guard keeping the better).
+* ``recipe``: ``collab_vit.reparametrize(model, K, calibration=--images training images)`` (default effort).
+
+(``recipe-before``, the whole-model refinement of before issue 34, left with that refinement in issue 54: its cells
+are in RESULTS.md's history.)
 
 Also written: ``methods.md`` (the per-frequency decompositions against the dense complex float64 tensor: error and
 seconds) and ``energy.md`` / ``energy.png`` (4(c): per frequency, the share of the heads' joint energy the first R
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import time
 from pathlib import Path
 from statistics import fmean
@@ -41,15 +41,13 @@ from blockwise_loso import packed, paired, predictions
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion import rotary_fit
 from collab_vit.conversion.calibration import calibration_images
-from collab_vit.conversion.recipe import Recipe, split
-from collab_vit.conversion.reparam import convert_model, probe_input_size, reparametrize, timm_attention_layers
+from collab_vit.conversion.reparam import probe_input_size, reparametrize, timm_attention_layers
 from collab_vit.conversion.rotary import rotary_layer
 from collab_vit.hub import save_pretrained
 from collab_vit.training.build import build_model, load_weights
 from collab_vit.training.config import build_config
 
-VARIANTS = ["select", "uniform", "optimal", "weight", "recipe", "recipe-before"]
-BEFORE = dict(holdout=32, views=1)  # the recipe's constants before issue 34 (no views), with 80 passes
+VARIANTS = ["select", "uniform", "optimal", "weight", "recipe"]
 
 
 def load(path: Path, config: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
@@ -91,12 +89,6 @@ def convert(source: torch.nn.Module, key_dim: int, variant: str, calibration: to
     if variant in ("weight", "recipe"):
         model, report = reparametrize(model, key_dim, calibration=calibration if variant == "recipe" else None,
                                       seed=seed, progress=False, return_report=True)
-        return model, [r.as_dict() for r in report], report.summary
-    if variant == "recipe-before":
-        steps = math.ceil(80 * split(calibration.shape[0], BEFORE["holdout"]) / 64)
-        pinned = ("weight", "whitened", "weight+refine", "whitened+refine")  # the whole-model refinement, both starts
-        report = convert_model(model, key_dim, "tucker", calibration, "default", seed, False,
-                               Recipe(refine_steps=steps, candidates=pinned, **BEFORE))
         return model, [r.as_dict() for r in report], report.summary
     rows = []
     for name, attn in timm_attention_layers(model):

@@ -82,7 +82,8 @@ def scores(model: torch.nn.Module, calibration: torch.Tensor) -> dict[str, list[
 def converted(source: torch.nn.Module, key_dim: int, variant: str, ranked: dict, plans: list) -> torch.nn.Module:
     model = copy.deepcopy(source)
     for index, (name, attn) in enumerate(timm_attention_layers(model)):
-        layer = (rotary_fit.fit_rotary(attn, key_dim, planned=plans[index]).layer if variant == "fit"
+        layer = (rotary_fit.compressed_layer(attn, rotary_fit.frequencies(attn), plans[index].fits,
+                                             plans[index].ranks[key_dim // 2]) if variant == "fit"  # fit_rotary's
                  else rotary_fit.strongest_pairs(attn, key_dim, ranked[variant][index]))
         swap(model, name, layer.eval())
     return model

@@ -120,19 +120,6 @@ def test_suggest_key_dim():
     assert analysis.suggest_key_dim(spectra, 1.0) == 10
 
 
-def test_suggest_budget():
-    """The dims each layer's threshold keeps, summed, as a fraction of all layers' dims (rounded up to 0.01)."""
-    spectra = [spectrum("a", (3, 4, 7)), spectrum("b", (5, 6, 6)), spectrum("c", (1, 2, 3))]
-    assert analysis.suggest_budget(spectra) == "budget=0.4"  # (4 + 6 + 2) / 30
-    assert analysis.suggest_budget(spectra, 0.99) == "budget=0.54"  # 16 / 30 = 0.533..
-
-
-def test_suggest_key_dim_on_model(planted):
-    spectra = analysis.layer_spectra(planted)
-    assert analysis.suggest_key_dim(spectra, 0.99) == max(RANKS)
-    assert analysis.suggest_key_dim(spectra, 0.99, multiple_of=8) == 16
-
-
 @pytest.mark.parametrize("threshold", [0.0, -0.1, 1.0001, 2, float("nan"), True, "0.9"])
 def test_suggest_key_dim_rejects_bad_threshold(threshold):
     with pytest.raises(ValueError, match="threshold"):

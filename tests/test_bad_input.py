@@ -297,7 +297,7 @@ def test_standard_deit_checkpoint_converted_like_pretrained(tmp_path, monkeypatc
                 p.normal_(0, 0.3)
     deit = tmp_path / 'deit_tiny.pth'
     torch.save({'model': source.state_dict()}, deit)  # DeiT's release layout
-    expected = collab_vit.reparametrize(copy.deepcopy(source), key_dim=24, method='tucker').state_dict()
+    expected = collab_vit.reparametrize(copy.deepcopy(source), key_dim=24).state_dict()
 
     data = make_image_folder(tmp_path / 'data', train_per_class=4, val_per_class=2)
     frozen = dict(lr=0.0, warmup_lr=0.0, min_lr=0.0, epochs=1, model_ema=False, checkpoint=str(deit))

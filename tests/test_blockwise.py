@@ -134,22 +134,21 @@ def test_sensitivities_are_the_gradients_of_the_drawn_class_log_probability() ->
 
 def test_the_default_refinement_runs_the_whole_model_a_fixed_number_of_times() -> None:
     """The cost guarantee (issue 40): the default effort's refinement steps run single layers, so the whole model's
-    forward passes do not grow with the steps (capture, one pass with the sensitivities, the held-out measures); the
-    whole-model refinement's grow by one per step."""
+    forward passes do not grow with the steps (capture, one pass with the sensitivities, the held-out measures)."""
     from collab_vit.conversion.recipe import Recipe
     from collab_vit.conversion.reparam import convert_model
 
     model, x = small("deit_tiny_patch16_224"), torch.randn(24, 3, 32, 32)
     counts = {}
-    for pinned, steps in ((None, 5), (None, 50), (("weight+refine",), 5), (("weight+refine",), 50)):
+    for pinned, steps in ((None, 5), (None, 50), (("weight+blocks",), 5), (("weight+blocks",), 50)):
         calls = []
         handle = model.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
         convert_model(copy.deepcopy(model), 8, "tucker", x, "default", 0, False,
-                      Recipe(holdout=8, refine_steps=steps, batch_size=8, candidates=pinned, views=1))
+                      Recipe(holdout=8, refine_steps=steps, batch_size=8, candidates=pinned))
         handle.remove()
         counts[pinned, steps] = len(calls)
     assert counts[None, 5] == counts[None, 50]
-    assert counts[("weight+refine",), 50] - counts[("weight+refine",), 5] == 45
+    assert counts[("weight+blocks",), 5] == counts[("weight+blocks",), 50]
 
 
 def test_a_cache_larger_than_the_memory_is_one_line_before_any_work(tmp_path, monkeypatch, capsys) -> None:
@@ -356,7 +355,7 @@ def test_the_recipe_holds_the_first_layers_tokens_alone() -> None:
     from collab_vit.conversion.recipe import STANDARD, Recipe, RecipeRun
 
     model = small("deit_tiny_patch16_224")
-    run = RecipeRun(model, timm_attention_layers(model), torch.randn(24, 3, 32, 32), Recipe(views=1), "tucker", 0,
+    run = RecipeRun(model, timm_attention_layers(model), torch.randn(24, 3, 32, 32), Recipe(), "tucker", 0,
                     STANDARD)
     calls = run.cached_calls()
     assert calls[0][0].shape[0] == 18 and [c[0] for c in calls[1:]] == [None]

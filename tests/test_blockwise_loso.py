@@ -10,14 +10,38 @@ from statistics import fmean
 import pytest
 import torch
 
+from test_data_aware_experiment import tiny_source
 from test_experiments import ROOT, run, tiny_fashion_mnist  # noqa: F401  (the fixture)
-from test_recipe_holds import copy_rows, sharp_source
 
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 import blockwise_loso  # noqa: E402
 from blockwise_loso import Setting, leave_one_out  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
+
+
+def copy_rows(results, name: str, other: str) -> None:
+    """A second source for a leave-one-source-out choice: ``name``'s grid rows under another name."""
+    (results / other).mkdir()
+    for path in (results / name).glob('*.json'):
+        text = path.read_text().replace(f'"source": "{name}"', f'"source": "{other}"')
+        (results / other / path.name).write_text(text)
+
+
+def sharp_source(tmp_path, depth: int = 1) -> str:
+    """The experiments' tiny random source (``depth`` blocks) with weights large enough that its outputs are far from
+    uniform (the KLs the recipe compares are then well above round-off)."""
+    from safetensors.torch import load_file, save_file
+    path = tiny_source(tmp_path, depth)
+    weights = load_file(str(path))
+    generator = torch.Generator().manual_seed(0)
+    for name in (*(f'blocks.{b}.attn.qkv.weight' for b in range(depth)), 'head.weight'):
+        weights[name] = torch.randn(weights[name].shape, generator=generator)
+    from safetensors import safe_open
+    with safe_open(str(path), 'pt') as f:
+        metadata = f.metadata()
+    save_file(weights, str(path), metadata)
+    return path
 
 
 def test_leave_one_out_never_uses_the_source_it_reports() -> None:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from test_experiments import run, tiny_fashion_mnist  # noqa: F401  (the fixture)
-from test_recipe_holds import sharp_source
+from test_blockwise_loso import sharp_source
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -53,8 +53,8 @@ def test_the_package_refinement_is_the_experiments_local_one():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))  # logits that depend on the attention
-    run = RecipeRun(model, timm_attention_layers(model), torch.randn(48, 3, 32, 32), Recipe(views=1, holdout=16))
-    base = run.fit_start('weight', run.dims(8)['weight'])
+    run = RecipeRun(model, timm_attention_layers(model), torch.randn(48, 3, 32, 32), Recipe(holdout=16))
+    base = run.fit_start('weight', [8] * len(run.layers))
     package = run.blockwise(base, 6)
     weights = [copy.deepcopy(f.layer.state_dict()) for f in package.fits]
     local = experiment.sequential(run, base, 6, compensate=False)

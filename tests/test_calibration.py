@@ -3,6 +3,8 @@ planted anisotropic tokens, singular moments, calibration inputs, the recipe and
 from __future__ import annotations
 
 import copy
+import functools
+import re
 
 import pytest
 import timm
@@ -14,6 +16,8 @@ from collab_vit.conversion.calibration import TokenMoments, calibration_images, 
 from collab_vit.conversion.decompose import split_qkv_heads
 from collab_vit.conversion.fit import fit_attention as fit_sides
 from collab_vit.conversion.guard import held_out_split
+from collab_vit.conversion import recipe as recipe_module
+from collab_vit.conversion.dims import REMOVED
 from collab_vit.conversion.recipe import Recipe
 from collab_vit.conversion.reparam import convert_model, reparametrize_attention
 
@@ -173,30 +177,31 @@ def test_singular_moments_give_finite_layers(case: str) -> None:
     assert side.ridge > 0 and bool(torch.isfinite(side.inverse_t).all())
 
 
-def test_dataloader_and_tensor_give_the_same_layer() -> None:
+def test_dataloader_and_tensor_give_the_same_layer(monkeypatch) -> None:
     """Batches of 4 (a loader of (images, labels)) or of 3 (images only) vs the whole tensor: the moments agree to
     float64 round-off, and so does the layer (max_iter=0: the float64 start, no float32 ALS sweeps)."""
     model = tiny_deit(dtype=F64)
     x = images(10, dtype=F64)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(10)), batch_size=4)
     results = []
+    monkeypatch.setattr(recipe_module, "fit_attention", functools.partial(fit_sides, max_iter=0))
     for calibration in (x, loader, list(x.split(3))):
         converted = copy.deepcopy(model)
-        convert(converted, 6, calibration, holdout=2, batch_size=5, decomposition=dict(max_iter=0), **CLOSED)
+        convert(converted, 6, calibration, holdout=2, batch_size=5, **CLOSED)
         results.append(converted)
     probe = images(2, seed=7, dtype=F64)
     with torch.no_grad():
         logits = [m(probe) for m in results]
     for other in logits[1:]:
         assert (other - logits[0]).abs().max() <= 1e-10 * logits[0].abs().max()  # eigh/QR on round-off-level noise
-    assert calibration_images(loader, (3, 16, 16), max_images=7).shape[0] == 7
+    assert calibration_images(loader, (3, 16, 16)).shape[0] == 10
 
 
 def test_refinement_is_deterministic_and_moves_only_queries_keys_mixing() -> None:
     runs = []
     for _ in range(2):
         model = tiny_deit()
-        reports = convert(model, 3, images(16), candidates=("whitened+refine",), prefix_weight=1.0, refine_steps=8,
+        reports = convert(model, 3, images(16), candidates=("whitened+blocks",), prefix_weight=1.0, refine_steps=8,
                           refine_lr=1e-2, batch_size=8)
         runs.append((model, reports))
     (a, ra), (b, _) = runs
@@ -206,19 +211,7 @@ def test_refinement_is_deterministic_and_moves_only_queries_keys_mixing() -> Non
     for name, value in a.state_dict().items():
         moved = not torch.equal(value, closed.state_dict()[name])
         assert moved == any(part in name for part in (".query.", ".key.", ".mixing")), name
-    assert ra.summary["refine"]["steps"] == 8 and ra.summary["chosen"] == "whitened+refine"
-
-
-def test_energy_threshold_reads_each_starts_spectra() -> None:
-    """The weight-only candidate takes the weight spectra's dims (it is the weight-only conversion), the closed form
-    the whitened spectra's; the report names the kept one's."""
-    reports = convert(tiny_deit(), 0.9, images(8), "fast")
-    s = reports.summary
-    weight_only = [r.key_dim for r in convert(tiny_deit(), 0.9, None)]
-    assert s["candidate_key_dims"]["weight"] == weight_only
-    assert [r.key_dim for r in reports] == s["candidate_key_dims"][s["chosen"]]
-    assert all(r.key_dim_from == f"threshold ({s['chosen']} spectra)" and 0 < r.key_dim <= 24 for r in reports)
-    assert all(r.key_dim_from == "threshold (weight spectra)" for r in convert(tiny_deit(), 0.9, None))
+    assert ra.summary["refine"]["steps"] == 8 and ra.summary["chosen"] == "whitened+blocks"
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -239,42 +232,21 @@ def test_bad_calibration_options() -> None:
         collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="max", progress=False)
     with pytest.raises(ValueError, match="effort must be one of"):  # both starts refined: measured no better, removed
         collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="both", progress=False)
+    with pytest.raises(ValueError, match=re.escape(REMOVED["thorough"])):  # the whole-model refinement: removed
+        collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="thorough", progress=False)
+    with pytest.raises(ValueError, match="the whole-model '.refine' was removed"):
+        convert(tiny_deit(), 6, images(4), candidates=("whitened+refine",))
     with pytest.raises(ValueError, match="ridge must be a positive"):
         convert(tiny_deit(), 6, images(4), ridge=0.0)
     with pytest.raises(ValueError, match="holdout must be"):
         convert(tiny_deit(), 6, images(4), holdout=4)
 
 
-@pytest.mark.parametrize("option, message", [
-    (dict(capture="sequential"), "capture='sequential' was removed"),
-    (dict(refine_loss="attention-kl", refine_steps=2), "refine_loss other than 'model-kl' was removed"),
-    (dict(refine_values=True, refine_steps=2), "refine_values was removed"),
-])
-def test_removed_options_give_one_line(option: dict, message: str) -> None:
-    model = tiny_deit()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.warns(DeprecationWarning, match="reparametrize_layers is deprecated"):
-        with pytest.raises(ValueError, match=message):
-            collab_vit.reparametrize_layers(model, 3, calibration=images(8), progress=False, **option)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-
-
-def test_deprecated_reparametrize_layers_keeps_its_meaning() -> None:
-    """The old entry (one release): the whitened closed form, refined by refine_steps; a DeprecationWarning."""
-    old, new = tiny_deit(), tiny_deit()
-    with pytest.warns(DeprecationWarning):
-        reports = collab_vit.reparametrize_layers(old, 3, calibration=images(16), refine_steps=4, batch_size=8,
-                                                  progress=False)
-    convert(new, 3, images(16), candidates=("whitened+refine",), prefix_weight=1.0, refine_steps=4, batch_size=8)
-    assert reports.summary["chosen"] == "whitened+refine"
-    assert all(torch.equal(v, new.state_dict()[k]) for k, v in old.state_dict().items())
-
-
-@pytest.mark.parametrize("key_dim", [4, "budget=0.2"])
+@pytest.mark.parametrize("key_dim", [4, [4, 5]])
 def test_never_worse_than_weight_only_on_held_out_images(key_dim) -> None:
     """The guard: a closed form worse than weight-only on the held-out images (here: fitted to one image repeated,
     the class token that the head reads weighted 1e-6) is not returned; the weight-only conversion is, bit for bit,
-    also under a budget, which the whitened spectra spread differently from the weight spectra."""
+    at one key dim or one per layer."""
     model = tiny_deit(2)
     with torch.no_grad():
         model.head.weight.mul_(6)
@@ -285,55 +257,40 @@ def test_never_worse_than_weight_only_on_held_out_images(key_dim) -> None:
     kl, dims = reports.summary["candidates"], reports.summary["candidate_key_dims"]
     assert kl["whitened"] > 2 * kl["weight"], kl  # the case: the closed form is worse on the held-out images
     assert reports.summary["chosen"] == "weight" and reports.summary["gain_over_weight_only"] == 0
-    if key_dim != 4:
-        assert dims["weight"] != dims["whitened"] and sum(dims["weight"]) == sum(dims["whitened"]) == 9, dims
+    assert dims["weight"] == dims["whitened"] == (key_dim if isinstance(key_dim, list) else [key_dim] * 2)
     weight_only = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
     assert all(torch.equal(v, weight_only.state_dict()[k]) for k, v in guarded.state_dict().items())
 
 
-@pytest.mark.parametrize("effort", ["fast", "default", "thorough"])
+@pytest.mark.parametrize("effort", ["fast", "default"])
 def test_default_recipe_reports_its_candidates(effort: str) -> None:
     """``calibration=`` alone: the candidates of ``effort`` measured on the held-out images, the best kept, its KL
-    never above weight-only's; the default's blockwise refinement takes 16 passes over the fitting images per layer,
-    the thorough whole-model one 160 on the images and their views."""
+    never above weight-only's; the default's blockwise refinement takes 16 passes over the fitting images per
+    layer."""
     model, report = collab_vit.reparametrize(tiny_deit(), 3, calibration=images(16), effort=effort, progress=False,
                                              return_report=True)
     s = report.summary
-    expected = {"fast": 2, "default": 3, "thorough": 3}[effort]
+    expected = {"fast": 2, "default": 3}[effort]
     assert len(s["candidates"]) == expected and {"weight", "whitened"} <= set(s["candidates"])
     assert s["held_out_kl"] == s["candidates"][s["chosen"]] <= s["weight_only_kl"]
     assert s["chosen"] == "weight" or s["verdicts"][s["chosen"]]["kept"]
     assert s["images_fit"] == 12 and s["images_held_out"] == 4
-    assert s["refine_steps"] == {"fast": 0, "default": 3, "thorough": 30}[effort]  # ceil(16 or 160 x 12 / 64)
+    assert s["refine_steps"] == {"fast": 0, "default": 3}[effort]  # ceil(16 x 12 / 64)
     better = min(("weight", "whitened"), key=s["candidates"].get)
-    kind = {"default": "blocks", "thorough": "refine"}.get(effort)
-    assert effort == "fast" or set(s["candidates"]) == {"weight", "whitened", f"{better}+{kind}"}
-    assert s["views"] == (8 if effort == "thorough" else 1)  # views feed the whole-model refinement alone
+    assert effort == "fast" or set(s["candidates"]) == {"weight", "whitened", f"{better}+blocks"}
+    assert s["amp"] is False  # the device's rule: bfloat16 capture on CUDA only
     assert all(isinstance(m, collab_vit.CollaborativeAttention) for m in (b.attn for b in model.blocks))
 
 
-def test_pinned_refinements_each_take_their_own_passes(monkeypatch) -> None:
-    """Pinned side by side, the blockwise and the whole-model refinements each take their own passes over the 12
-    fitting images (16 per layer: 3 steps; 160 on the images and their views: 30), whatever the effort."""
+def test_a_pinned_refinement_takes_its_passes_whatever_the_effort(monkeypatch) -> None:
+    """Pinned, the blockwise refinement takes its 16 passes over the 12 fitting images per layer (3 steps) under
+    either effort."""
     from collab_vit.conversion.recipe import RecipeRun
-    taken = {}
-    for method, kind in (("blockwise", "blocks"), ("refined", "refine")):
-        original = getattr(RecipeRun, method)
-        monkeypatch.setattr(RecipeRun, method, lambda self, base, steps, *a, _o=original, _k=kind, **k:
-                            taken.setdefault(_k, []).append(steps) or _o(self, base, steps, *a, **k))
-    for effort in ("fast", "thorough"):
-        report = convert(tiny_deit(), 3, images(16), effort, candidates=("weight", "weight+blocks", "weight+refine"))
-        assert set(report.summary["candidates"]) == {"weight", "weight+blocks", "weight+refine"}
-        assert report.summary["views"] == 8  # the whole-model refinement's views were drawn
-    assert taken == {"blocks": [3, 3], "refine": [30, 30]}
-
-
-def test_refinement_that_makes_the_kl_worse_is_undone() -> None:
-    """A far too large lr makes the mean KL worse: the closed-form weights come back, bit for bit."""
-    model, closed = tiny_deit(), tiny_deit()
-    reports = convert(model, 3, images(16), candidates=("whitened+refine",), prefix_weight=1.0, refine_steps=3,
-                      refine_lr=10.0, batch_size=8)
-    convert(closed, 3, images(16), batch_size=8, **CLOSED)
-    refine = reports.summary["refine"]
-    assert refine["kept_start"] and refine["kl_after"] > refine["kl_before"]
-    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), closed.state_dict().values()))
+    taken = []
+    original = RecipeRun.blockwise
+    monkeypatch.setattr(RecipeRun, "blockwise", lambda self, base, steps, *a, **k:
+                        taken.append(steps) or original(self, base, steps, *a, **k))
+    for effort in ("fast", "default"):
+        report = convert(tiny_deit(), 3, images(16), effort, candidates=("weight", "weight+blocks"))
+        assert set(report.summary["candidates"]) == {"weight", "weight+blocks"}
+    assert taken == [3, 3]

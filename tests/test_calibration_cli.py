@@ -33,8 +33,9 @@ def test_help_fits_one_screen_with_its_flags() -> None:
     text = convert.format_help()
     for flag in ("--model", "--checkpoint", "--model-kwargs", "--key-dim", "--out", "--seed", "--device",
                  "--calibration-data-dir", "--calibration-dataset", "--calibration-images",
-                 "--effort", "--method"):
+                 "--effort"):
         assert flag in text
+    assert "--method" not in text and "budget" not in text and "thorough" not in text  # removed (issue 54)
     flags = [a for a in convert._actions if a.option_strings and a.dest != "help"]
     assert len(flags) <= 12 and len(text.splitlines()) <= 60
 
@@ -65,13 +66,13 @@ def test_calibration_from_the_training_split_or_a_plain_image_folder(tmp_path) -
         assert calibration["images_fit"] + calibration["images_held_out"] == count
 
 
-def test_convert_with_a_budget_and_removed_flags(tmp_path, capsys) -> None:
+def test_convert_with_a_per_layer_list_and_removed_flags(tmp_path, capsys) -> None:
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
     out = tmp_path / "b.safetensors"
-    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "budget=0.25", "--out", str(out),
+    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "4,8", "--out", str(out),
                      "--calibration-data-dir", data, "--calibration-images", "10", "--effort", "fast"]) == 0
     sidecar = json.loads(out.with_suffix(".json").read_text())
-    assert sum(sidecar["model_kwargs"]["key_dim"]) == 12  # 0.25 x 2 layers x 24
+    assert sidecar["model_kwargs"]["key_dim"] == [4, 8] and sidecar["method"] == "tucker"
     for removed in (["--refine-steps", "3"], ["--calibration-capture", "sequential"], ["--refine-values"]):
         with pytest.raises(SystemExit) as exit_info:
             cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out",
@@ -138,20 +139,7 @@ def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -
     assert "spectrum of the bilinear forms: whitened by 5 calibration images" in capsys.readouterr().out
     assert cli_main(["analyze", "--checkpoint", source, "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
-    assert "spectrum of the bilinear forms: weights" in out and "suggested budget" in out and "--key-dim budget=" in out
-
-
-def test_convert_thorough_refines_the_whole_model(tmp_path) -> None:
-    """``--effort thorough``: the whole-model refinement (the default before issue 40) on the images and 7 views of
-    each, 160 passes; recorded in the sidecar."""
-    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
-    out = tmp_path / "k6.safetensors"
-    assert cli_main(["convert", "--checkpoint", exported(tmp_path), "--key-dim", "6", "--out", str(out),
-                     "--calibration-data-dir", data, "--calibration-images", "10", "--effort", "thorough"]) == 0
-    calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
-    assert calibration["effort"] == "thorough" and calibration["refine_steps"] == 20  # ceil(160 x 8 / 64)
-    assert calibration["views"] == 8 and calibration["refine_images"] == 64
-    assert any(name.endswith("+refine") for name in calibration["candidates"])
+    assert "spectrum of the bilinear forms: weights" in out and "suggested key_dim" in out and "budget" not in out
 
 
 def test_the_command_holds_out_a_quarter_up_to_256_and_guards_at_the_frozen_confidence(tmp_path) -> None:

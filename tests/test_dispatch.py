@@ -12,28 +12,18 @@ import timm
 import torch
 from timm.layers import create_feature_extractor, get_graph_node_names, set_scriptable
 
-from collab_vit import CollaborativeAttention, ConcatAttention
-from collab_vit.layers import attention_core, dispatch
+from collab_vit import CollaborativeAttention
+from collab_vit.layers import dispatch
 from collab_vit.layers.dispatch import Path, select_path
+from gpu_coverage import (IMPLEMENTATION_HEADER, ROUTE_HEADER, ROUTE_IMPLEMENTATIONS, SCENARIOS,
+                          implementation_rows, table_rows)
 from numerics import assert_within, vit_chain
 
-HEADER = "| device | fused_attn | attention dropout | graph capture | route |"
-IMPLEMENTATIONS = {Path.CORE: "core_attend", Path.SDPA: "folded_sdpa", Path.EXPLICIT: "explicit_collaborative"}
+HEADER = ROUTE_HEADER
 DEVICES = {"CPU": ["cpu"], "CUDA, other": ["cuda", "mps", "xpu"], "any": ["cpu", "cuda", "mps"]}
 DROPOUTS = {"0": [0.], "> 0": [0.1], "any": [0., 0.1]}
 CAPTURES = {"no": [False], "yes": [True], "any": [False, True]}
-
-
-def table_rows(header: str = HEADER) -> list[list[str]]:
-    """The cells of each row of the docstring table under ``header``."""
-    lines = dispatch.__doc__.splitlines()
-    start = lines.index(header) + 2
-    rows = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
+IMPLEMENTATIONS = ROUTE_IMPLEMENTATIONS  # route -> the dispatch function that runs it
 
 
 def row_calls(row: list[str]) -> list[tuple[str, bool, float, bool]]:
@@ -48,7 +38,7 @@ def row_path(row: list[str]) -> Path:
 
 
 def test_table_is_select_path() -> None:
-    rows = table_rows()
+    rows = table_rows(HEADER)
     assert len(rows) >= 4
     covered = set()
     for row in rows:
@@ -82,7 +72,7 @@ def test_layer_runs_the_tables_path(device: str, monkeypatch) -> None:
     """Each eager row for this device: the layer, in that mode, calls that implementation and no other."""
     calls = spy_implementations(monkeypatch)
     checked = 0
-    for row in table_rows():
+    for row in table_rows(HEADER):
         for (device_type, fused, p, capturing), training in itertools.product(row_calls(row), (True, False)):
             if device_type != device or capturing or (p > 0 and not training):
                 continue  # dropout is off in eval
@@ -124,84 +114,15 @@ def test_traced_layer_runs_the_capture_route(device: str, monkeypatch) -> None:
     assert not [n for n in traced.inlined_graph.nodes() if n.kind() == "prim::PythonOp"]
 
 
-IMPLEMENTATION_HEADER = "| layer | route | pass | condition | implementation |"
-SCENARIOS = {  # (layer, route, pass, condition) of each row: how a call meets that condition (dim 48, 3 heads)
-    ("collab", "core", "forward", "CPU, `CPU_FLASH`, `flash_pays`"): {"key_dim": 20},  # 20 <= 2 * head dim 16
-    ("collab", "core", "forward", "otherwise"): {"key_dim": 40},
-    ("collab", "core", "backward", "no `create_graph`"): {},
-    ("collab", "core", "backward", "`create_graph=True`"): {"create_graph": True},
-    ("collab", "sdpa", "forward", "any"): {"path": Path.SDPA},
-    ("collab", "sdpa", "backward", "any"): {"path": Path.SDPA},
-    ("collab", "explicit", "forward", "any"): {"fused": False},
-    ("collab", "explicit", "backward", "any"): {"fused": False},
-    ("concat", "sdpa", "forward", "`fused_attn`"): {},
-    ("concat", "sdpa", "backward", "`fused_attn`"): {},
-    ("concat", "explicit", "forward", "not `fused_attn`"): {"fused": False},
-    ("concat", "explicit", "backward", "not `fused_attn`"): {"fused": False},
-}
-
-
-def named(cell: str) -> set[str]:
-    """The implementations a cell names (in backticks; no module: ``dispatch``)."""
-    return set(re.findall(r"`([\w.]+)`", cell))
-
-
-def spy_named(monkeypatch, names: set[str]) -> list[str]:
-    """Record each call of the named implementations, wherever it is looked up from (home module and ``dispatch``)."""
-    calls: list[str] = []
-    for name in names:
-        *path, attr = (["dispatch"] if "." not in name else []) + name.split(".")
-        owner = {"dispatch": dispatch, "attention_core": attention_core}[path[0]]
-        for part in path[1:]:
-            owner = getattr(owner, part)
-        original = getattr(owner, attr)
-
-        def call(*args, _name=name, _original=original):
-            calls.append(_name)
-            return _original(*args)
-
-        monkeypatch.setattr(owner, attr, staticmethod(call) if isinstance(owner, type) else call)
-        if owner is not dispatch and getattr(dispatch, attr, None) is original:
-            monkeypatch.setattr(dispatch, attr, call)
-    return calls
-
-
-def run_scenario(layer_kind: str, scenario: dict, calls: list[str], monkeypatch) -> dict[str, set[str]]:
-    """The implementations one call ran, by pass: a training forward, then the input gradient."""
-    torch.manual_seed(0)
-    if layer_kind == "collab":
-        layer = CollaborativeAttention(48, 3, key_dim=scenario.get("key_dim", 20), qkv_bias=True)
-    else:
-        layer = ConcatAttention(48, 3, key_dim=24, qkv_bias=True)
-    layer.fused_attn = scenario.get("fused", True)
-    x = torch.randn(2, 9, 48, requires_grad=True)
-    with monkeypatch.context() as patch:
-        if "path" in scenario:
-            patch.setattr(dispatch, "select_path", lambda *args: scenario["path"])
-        calls.clear()
-        y = layer.train()(x)
-        ran = {"forward": set(calls)}
-        calls.clear()
-        torch.autograd.grad(y.square().sum(), x, create_graph=scenario.get("create_graph", False))
-        ran["backward"] = set(calls)
-    return ran
-
-
-def test_every_implementation_runs_under_its_condition(monkeypatch) -> None:
-    """CPU: for each row of the implementations table, a call meeting its condition runs exactly the implementations
-    the row names among those the table names for that pass (none for torch's own backward)."""
-    rows = [[layer_kind, route.strip("`"), *rest] for layer_kind, route, *rest in table_rows(IMPLEMENTATION_HEADER)]
-    assert {tuple(row[:4]) for row in rows} == set(SCENARIOS)
-    by_pass = {kind: set().union(*(named(row[4]) for row in rows if row[2] == kind)) for kind in ("forward", "backward")}
-    calls = spy_named(monkeypatch, by_pass["forward"] | by_pass["backward"])
-    checked = 0
-    for layer_kind, route, kind, condition, implementation in rows:
-        if "CPU_FLASH" in condition and not attention_core.CPU_FLASH:
-            continue  # this torch lacks the CPU flash op: the condition cannot hold
-        ran = run_scenario(layer_kind, SCENARIOS[(layer_kind, route, kind, condition)], calls, monkeypatch)
-        assert ran[kind] & by_pass[kind] == named(implementation), (layer_kind, route, kind, condition)
-        checked += 1
-    assert checked >= len(rows) - 1
+def test_every_implementation_runs_under_its_condition() -> None:
+    """For each row of the implementations table, a call meeting its condition runs exactly the implementations the
+    row names among those the table names for that pass (none for torch's own backward): ``gpu_coverage``'s cases,
+    the ones the GPU check runs (the non-CPU route on ``meta`` here)."""
+    rows = table_rows(IMPLEMENTATION_HEADER)
+    assert {(kind, route.strip("`"), p, condition) for kind, route, p, condition, _ in rows} == set(SCENARIOS)
+    results = implementation_rows(torch.device("cpu"))
+    assert [row for row, ran, ok in results if ok is False] == []
+    assert sum(ok is True for *_, ok in results) >= len(rows) - 1  # the CPU flash row needs torch's CPU flash op
 
 
 def test_plain_fx_trace_keeps_the_route_a_leaf() -> None:

@@ -84,7 +84,7 @@ def test_source_and_conversions_get_identical_transforms(deit_file: str, tmp_pat
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=1, val_per_class=2, size=48)
     source = collab_vit.reparametrize(from_file("deit_tiny_patch16_224", deit_file), key_dim=96, progress=False)
     collab_vit.save_pretrained(source, str(tmp_path / "folder"))
-    convert_to_file("deit_tiny_patch16_224", 96, "tucker", tmp_path / "file.safetensors", checkpoint=deit_file,
+    convert_to_file("deit_tiny_patch16_224", 96, tmp_path / "file.safetensors", checkpoint=deit_file,
                     model_kwargs=dict(num_classes=3, **SMALL))
     runs = [evaluated(tmp_path, data, monkeypatch, "--model", "deit_tiny_patch16_224", "--checkpoint", deit_file,
                       "--model-kwargs", "img_size=32", "patch_size=8", "depth=2"),

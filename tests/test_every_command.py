@@ -1,7 +1,7 @@
 """Every family of the package's table (``collab_vit/conversion/families.py``) through every command a user runs
 (issue 39), each in its own process as a user starts it: the installed ``collab-vit convert`` at an integer key dim
-below full rank with calibration images stored at another size than the model's input (into a hub folder), at an
-energy threshold (a ``.safetensors`` file) and at a budget (a folder); the folders reloaded by plain timm
+below full rank with calibration images stored at another size than the model's input (into a hub folder), weight-only
+at a quarter of the q/k dims (a ``.safetensors`` file) and at a per-layer list (a folder); the folders reloaded by plain timm
 (``local-dir:``, after ``import collab_vit``) in a fresh process; ``eval.py`` on a folder; ``train.py`` fine-tuning it
 for one update; ``collab-vit analyze``. Each exits 0 with no traceback; every refused design of the table exits 2
 with one line and writes nothing. A row added to the table runs through all of it.
@@ -28,7 +28,8 @@ from warmstart import Done
 
 HALF = SMALL["embed_dim"] // 2  # below full rank (64), even (rotary layers take pairs)
 CALIBRATION = 8  # images, stored at 16 px; the models take 32 px
-COMMANDS = ("convert key dim", "convert threshold", "convert budget", "analyze", "reload", "eval.py", "train.py")
+LIST = ",".join(str(HALF // (1 + i % 2)) for i in range(SMALL["depth"]))  # per layer: half, a quarter, ... (even)
+COMMANDS = ("convert key dim", "convert file", "convert list", "analyze", "reload", "eval.py", "train.py")
 
 
 def collab_vit_command() -> str:
@@ -82,8 +83,8 @@ def first_stage(design: Design, where: Path, data: str) -> dict[str, list[str]]:
     return {
         "convert key dim": [cli, "convert", *src, "--key-dim", str(HALF), "--out", str(where / "k"),
                             "--calibration-data-dir", data, "--calibration-images", str(CALIBRATION)],
-        "convert threshold": [cli, "convert", *src, "--key-dim", "0.9", "--out", str(where / "t.safetensors")],
-        "convert budget": [cli, "convert", *src, "--key-dim", "budget=0.5", "--out", str(where / "b")],
+        "convert file": [cli, "convert", *src, "--key-dim", str(HALF // 2), "--out", str(where / "t.safetensors")],
+        "convert list": [cli, "convert", *src, "--key-dim", LIST, "--out", str(where / "b")],
         "analyze": [cli, "analyze", *src, "--out", str(where / "a")],
     }
 
@@ -133,7 +134,7 @@ def test_every_family_through_every_command(results, family: str, command: str) 
         assert "wrote " in done.out, done.why()
     if command == "convert key dim":  # the calibration images went through the model's transform: all used
         assert "calibration images" in done.out and "error" not in done.err.lower(), done.why()
-    if command == "convert threshold" and row.rotary:  # a bar over the layers, as for standard attention
+    if command == "convert file" and row.rotary:  # a bar over the layers, as for standard attention
         assert "rotary re-parametrisation (per frequency)" in done.err and f"{SMALL['depth']}/{SMALL['depth']}" in \
             done.err, done.why()
     if command == "analyze":  # into its --out folder, nothing into the working folder
@@ -160,6 +161,7 @@ def test_reload_gives_the_recorded_key_dims(results, family: str) -> None:
         assert all(cls.startswith("Collaborative") for cls in report["classes"]), report["classes"]
         assert ("Rope" in "".join(report["classes"]) or "EvaAttention" in "".join(report["classes"])) == row.rotary
     assert got[next(iter(got))]["key_dims"] == [HALF] * SMALL["depth"]  # the integer key dim asked
+    assert list(got.values())[1]["key_dims"] == [int(k) for k in LIST.split(",")]  # the per-layer list asked
 
 
 @pytest.mark.parametrize("design", refused_designs()[:-1], ids=lambda d: d.label)

@@ -47,16 +47,16 @@ def test_from_scratch_grid(tiny_fashion_mnist, tmp_path):
 
 def test_post_hoc_and_redundancy(tiny_fashion_mnist, tmp_path):
     results, runs = tmp_path / 'post_hoc', tmp_path / 'runs'
-    run('post_hoc.py', '--methods', 'parafac', '--key-dims', '8', '0.9', '--finetune', 'parafac_k8', '--results',
+    run('post_hoc.py', '--key-dims', '8', '12', '--finetune', 'tucker_k8', '--results',
         results, '--runs', runs, '--data-dir', tiny_fashion_mnist, '--source-flags', ' '.join(TINY_TRAIN),
         '--finetune-flags', '--batch-size 50 --cpu-threads 1')
-    for name in ('parafac_k8', 'parafac_k0.9'):
+    for name in ('tucker_k8', 'tucker_k12'):
         row = json.loads((results / f'{name}.json').read_text())
         assert len(row['key_dims']) == 1 and row['decomposition_seconds'] >= 0
         assert 0 <= row['top1_converted'] <= 100 and 0 < row['tensor_error'] < 1
-        assert (0 <= row['top1_finetuned'] <= 100) if name == 'parafac_k8' else row['top1_finetuned'] is None
-    assert json.loads((results / 'parafac_k8.json').read_text())['key_dims'] == [8]
-    assert (results / 'table.md').read_text().count('| parafac |') == 2
+        assert (0 <= row['top1_finetuned'] <= 100) if name == 'tucker_k8' else row['top1_finetuned'] is None
+    assert json.loads((results / 'tucker_k8.json').read_text())['key_dims'] == [8]
+    assert (results / 'table.md').read_text().count('| tucker |') == 2
     assert (results / 'top1_vs_key_dim.png').stat().st_size > 10_000
 
     red = tmp_path / 'redundancy'
@@ -118,11 +118,10 @@ def test_rotary_post_hoc(tiny_fashion_mnist, tmp_path):
     results = tmp_path / 'rotary'
     run('rotary_post_hoc.py', '--source', tmp_path / 'source.pth', '--data-dir', tiny_fashion_mnist, '--results',
         results, '--key-dims', '16', '--images', '40')
-    for variant in ('select', 'uniform', 'optimal', 'weight', 'recipe', 'recipe-before'):
+    for variant in ('select', 'uniform', 'optimal', 'weight', 'recipe'):
         row = json.loads((results / f'{variant}_k16.json').read_text())
         assert row['key_dims'] == [16] * 4 and 0 <= row['top1'] <= 100 and 0 < row['tensor_error'] < 1
     assert json.loads((results / 'recipe_k16.json').read_text())['summary']['images_fit'] == 30
-    assert json.loads((results / 'recipe-before_k16.json').read_text())['summary']['images_fit'] == 8  # 32 held
     weight, select = (json.loads((results / f'{v}_k16.json').read_text()) for v in ('weight', 'select'))
     assert weight['tensor_error'] <= select['tensor_error']
     assert (results / 'table.md').read_text().count('| 16 |') == 2

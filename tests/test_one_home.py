@@ -1,7 +1,8 @@
 """One home for each small concept: the argument checks (``collab_vit/checks.py``), the one answer to "can this layer
 convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
-conversion give alike, and the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``,
-``weights_io.one_line``, the model-name scheme and a layer's key dim in ``models.py``)."""
+conversion give alike, the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``,
+``weights_io.one_line``, the model-name scheme and a layer's key dim in ``models.py``), and the conversion's concepts
+(issue 54: one weight-only conversion, one key-dim resolver, one output error, one tensor error, one per-image KL)."""
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from timm.layers import Attention
 
 import collab_vit
 from collab_vit import checks
-from collab_vit.conversion import decompose, refine, spectrum
+from collab_vit.conversion import blockwise, decompose, spectrum
 from collab_vit.conversion.support import check_model
 from collab_vit.layers.attention import CollaborativeAttention
 from collab_vit.training.config import ConfigError
@@ -61,6 +62,49 @@ def test_written_once(pattern, home):
     assert not written_outside(pattern, home)
 
 
+@pytest.mark.parametrize('pattern, home', [
+    (r'\.norm\(\) / \w+\.norm\(\)', 'conversion/fit.py'),  # a layer's relative output error: fit.output_error
+    (r'\.query\.weight\.T, \w+\.key\.weight\.T', 'conversion/fit.py'),  # a layer's tensor error: fit.tensor_error
+    (r'kl_div\(', 'conversion/guard.py'),  # the per-image KL to the source's outputs: guard.per_image_kl
+    (r'\w*dims?\w* % 2\b', 'conversion/dims.py'),  # even key dims of rotary layers: dims.layer_dims
+    (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/dims.py'),  # one key dim for every layer
+    (r'startswith\(["\']budget=|entries but the model has \{len\(\w*layers', 'conversion/dims.py'),  # key-dim specs
+    (r'fit_attention\)?\([^)]*, None\b', 'conversion/recipe.py'),  # a weight-only fit: Builder.weight_only
+])
+def test_conversion_concepts_computed_once(pattern, home):
+    """Issue 54: each of these is computed in its home module of ``conversion/`` only (found by what the code
+    computes, not by a function's name): the conversion paths call the one function."""
+    assert not [where for where in written_outside(pattern, home) if where.startswith('conversion/')]
+    assert any(where.startswith(home + ':') for where in written_outside(pattern, '')), 'the pattern finds nothing'
+
+
+def test_conversion_paths_call_the_one_function(monkeypatch):
+    """The weight-only conversion of standard and rotary layers, the recipe's weight-only start and the conversion
+    on load go through ``Builder.weight_only``; every report's output error through ``fit.output_error``."""
+    from collab_vit.conversion import fit, recipe, reparam
+    calls = {'weight_only': 0, 'output_error': 0}
+    weight_only, output_error = recipe.Builder.weight_only, fit.output_error
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(recipe.Builder, 'weight_only', counted('weight_only', weight_only))
+    monkeypatch.setattr(reparam, 'output_error', counted('output_error', output_error))
+    import timm
+    torch.manual_seed(0)
+    for name, key_dim in (('deit_tiny_patch16_224', 8), ('vit_small_patch16_rope_224', 8)):
+        model = timm.create_model(name, img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2,
+                                  num_classes=3).eval()
+        collab_vit.reparametrize(model, key_dim, progress=False)
+        collab_vit.reparametrize(timm.create_model(name, img_size=32, patch_size=8, depth=2, embed_dim=32,
+                                                   num_heads=2, num_classes=3).eval(), key_dim,
+                                 calibration=torch.randn(8, 3, 32, 32), effort='fast', progress=False)
+    assert calls == {'weight_only': 8, 'output_error': 8}  # 2 models x 2 layers x (weight-only, calibrated)
+
+
 def test_the_sites_use_them():
     """A few sites, each with the shared message (numpy integers are integers everywhere)."""
     with pytest.raises(ValueError, match=r'^key_dim must be a positive integer, got 0$'):
@@ -71,7 +115,7 @@ def test_the_sites_use_them():
     with pytest.raises(ValueError, match=r'^max_iter must be a non-negative integer, got -1$'):
         decompose.cp_decompose(torch.ones(2, 4, 2), torch.ones(2, 4, 2), 2, max_iter=-1)
     with pytest.raises(ValueError, match=r'^refine_lr must be a positive finite number, got True$'):
-        refine.refine_logits(None, [], torch.ones(1), torch.ones(1), 1, True)
+        blockwise.refine_blocks([], [], iter([]), 1, True)
 
 
 def _attention(**kwargs) -> Attention:

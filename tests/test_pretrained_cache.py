@@ -41,7 +41,7 @@ def load_collab(source: str) -> torch.nn.Module:
 def in_memory(source: str) -> torch.nn.Module:
     model = timm.create_model("deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=dict(file=source),
                               **SMALL)
-    return collab_vit.reparametrize(model, key_dim=KEY_DIM, method="tucker")
+    return collab_vit.reparametrize(model, key_dim=KEY_DIM)
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

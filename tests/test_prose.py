@@ -89,13 +89,13 @@ def test_layout_check_sees_a_missing_and_an_extra_module() -> None:
 
 
 def test_docs_name_the_converter_reparametrize() -> None:
-    """``reparametrize_layers`` appears only where the text says it is deprecated."""
+    """``reparametrize_layers`` appears only where the text says it was deprecated or removed."""
     texts = [(str(page.relative_to(ROOT)), page.read_text()) for page in [ROOT / "README.md",
                                                                          *sorted((ROOT / "docs").glob("*.md"))]]
     texts += [(f"{path.relative_to(ROOT)}:{line}", text) for path in sorted(PACKAGE.rglob("*.py"))
               for line, text in package_prose(path)]
     wrong = [where for where, text in texts for match in re.finditer(r"reparametrize_layers", text)
-             if "deprecat" not in text[max(0, match.start() - 200):match.end() + 200].lower()]
+             if not re.search("deprecat|removed", text[max(0, match.start() - 200):match.end() + 200].lower())]
     assert not wrong, f"these name the deprecated reparametrize_layers as the converter: {wrong}"
 
 

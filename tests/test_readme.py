@@ -10,7 +10,7 @@ from collab_vit.cli import format_table, model_table
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "RESULTS.md", ROOT / "RESULTS_HISTORY.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -134,3 +134,11 @@ def test_post_hoc_refusals_are_what_convert_prints(tmp_path: Path, capsys: pytes
             cli_main(args)
         assert exit.value.code == 2 and capsys.readouterr().err.strip() == line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_testing_run_log_is_a_table_newest_first() -> None:
+    """docs/testing.md's run log: one row per run (date, commit, CPU, passed, minutes), the newest first."""
+    log = (ROOT / "docs" / "testing.md").read_text().partition("### Run log\n")[2].partition("\n#")[0]
+    assert "| date (UTC) | commit | CPU (2 cores) | passed | minutes |" in log
+    dates = [row.split("|")[1].strip()[:10] for row in log.splitlines() if re.match(r"\| 20\d\d-\d\d-\d\d", row)]
+    assert len(dates) >= 10 and dates == sorted(dates, reverse=True)

@@ -11,6 +11,9 @@ import torch
 import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
+from collab_vit.conversion.dims import REMOVED
+from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.reparam import convert_model
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.weights_io import read_weights
 from numerics import U32, assert_within, attention_chain, vit_chain
@@ -18,8 +21,11 @@ from tinyrun import make_image_folder
 
 
 def convert(model, key_dim=None, method: str = "tucker", seed: int = 0, progress: bool = False):
-    """The public entry with its report."""
-    return collab_vit.reparametrize(model, key_dim, method, seed=seed, progress=progress, return_report=True)[1]
+    """The public entry with its report (Tucker); the paper's ``parafac`` (and ``cp``), which the tests compare
+    against, through the inside entry."""
+    if method == "tucker":
+        return collab_vit.reparametrize(model, key_dim, seed=seed, progress=progress, return_report=True)[1]
+    return convert_model(model, key_dim, method, None, "default", seed, progress, Recipe())
 
 SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)
 
@@ -87,17 +93,16 @@ def test_same_seed_same_result() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_energy_threshold_and_list_key_dims() -> None:
-    reports = convert(small_deit(), 0.9, "tucker", progress=False)
-    assert all(0 < r.key_dim <= 48 for r in reports)
+def test_list_key_dims() -> None:
     reports = convert(model := small_deit(), [8, 16, 48], "tucker", progress=False)
     assert [b.attn.key_dim for b in model.blocks] == [8, 16, 48] == [r.key_dim for r in reports]
 
 
 @pytest.mark.parametrize("bad, message", [
     (0, "key_dim must be a positive integer"), (-4, "key_dim must be a positive integer"),
-    ([8, 8], "2 entries but the model has 3"), (1.5, r"threshold key_dim must be in \(0, 1\]"),
-    (0.0, r"threshold key_dim must be in \(0, 1\]"), ("16", "key_dim must be"),
+    ([8, 8], "2 entries but the model has 3"), (1.5, "energy-threshold key dims were removed"),
+    (0.9, "energy-threshold key dims were removed"), ("16", "key_dim must be"),
+    ("budget=0.5", "budget key dims were removed"),
 ])
 def test_bad_key_dims(bad: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -105,11 +110,11 @@ def test_bad_key_dims(bad: object, message: str) -> None:
 
 
 def test_old_names() -> None:
-    """``reparametrize_layers`` works for one release with a DeprecationWarning; the ``convert`` alias is gone."""
-    with pytest.warns(DeprecationWarning, match="reparametrize_layers is deprecated"):
-        reports = collab_vit.reparametrize_layers(model := small_deit(), 8, progress=False)
-    assert [r.key_dim for r in reports] == [8, 8, 8] and isinstance(model.blocks[0].attn, CollaborativeAttention)
-    assert not hasattr(collab_vit.reparam, "convert")
+    """``reparametrize_layers`` (deprecated) and the ``convert`` alias are gone; the first says what replaced it."""
+    with pytest.raises(ImportError, match="reparametrize_layers was removed"):
+        collab_vit.reparametrize_layers
+    assert not hasattr(collab_vit.reparam, "convert") and not hasattr(collab_vit.reparam, "reparametrize_layers")
+    assert REMOVED["reparametrize_layers"].endswith("return_report=True)")
 
 
 def test_bad_method_and_model() -> None:
@@ -132,14 +137,14 @@ def deit_tiny_file(tmp_path_factory) -> str:
 def test_convert_cli_file_round_trip(deit_tiny_file: str, tmp_path) -> None:
     out = tmp_path / "tiny_k96.safetensors"
     assert cli_main(["convert", "--model", "deit_tiny_patch16_224", "--checkpoint", deit_tiny_file,
-                     "--key-dim", "96", "--method", "tucker", "--out", str(out)]) == 0
+                     "--key-dim", "96", "--out", str(out)]) == 0
     sidecar = json.loads(out.with_suffix(".json").read_text())
     assert sidecar["model_name"] == "collab_deit_tiny_patch16_224" and sidecar["model_kwargs"]["key_dim"] == [96] * 12
     assert len(sidecar["layers"]) == 12 and all(0 < layer["tensor_error"] < 1 for layer in sidecar["layers"])
 
     source = timm.create_model("deit_tiny_patch16_224", pretrained=True,
                                pretrained_cfg_overlay=dict(file=deit_tiny_file))
-    in_memory = collab_vit.reparametrize(source, key_dim=96, method="tucker")
+    in_memory = collab_vit.reparametrize(source, key_dim=96)
     loaded = timm.create_model("collab_deit_tiny_patch16_224", pretrained=True,
                                pretrained_cfg_overlay=dict(file=str(out)))  # key dims read from the file
     x = torch.randn(2, 3, 224, 224)
@@ -162,7 +167,7 @@ def test_pretrained_tag_converts_on_load_and_caches(deit_tiny_file: str, tmp_pat
     second = timm.create_model("collab_deit_tiny_patch16_224", **kwargs)
     source = timm.create_model("deit_tiny_patch16_224", pretrained=True,
                                pretrained_cfg_overlay=dict(file=deit_tiny_file))
-    expected = collab_vit.reparametrize(source, key_dim=64, method="cp")
+    convert(expected := source, 64, "cp")
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         reference = expected.eval()(x)
@@ -197,7 +202,7 @@ def test_convert_and_analyze_a_file_this_package_wrote(tmp_path) -> None:
     assert meta["model_kwargs"] == {**kwargs, "key_dim": [8, 8]} and meta["data_config"] == data_config
     loaded = timm.create_model("collab_deit_tiny_patch16_224", pretrained=True,
                                pretrained_cfg_overlay=dict(file=str(out)), **kwargs)
-    expected = collab_vit.reparametrize(copy.deepcopy(source), key_dim=8, method="tucker")
+    expected = collab_vit.reparametrize(copy.deepcopy(source), key_dim=8)
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         assert torch.equal(loaded.eval()(x), expected.eval()(x))
@@ -219,10 +224,10 @@ def test_convert_cli_model_kwargs_describe_the_source(tmp_path, capsys) -> None:
     out = tmp_path / "small_k16.safetensors"
     flags = [f"{k}={v}" for k, v in SMALL.items()]
     assert cli_main(["convert", "--model", "deit_tiny_patch16_224", "--checkpoint", str(path), "--model-kwargs",
-                     *flags, "--key-dim", "16", "--method", "cp", "--out", str(out)]) == 0
+                     *flags, "--key-dim", "16", "--out", str(out)]) == 0
     sidecar = json.loads(out.with_suffix(".json").read_text())
-    assert sidecar["model_kwargs"] == {**SMALL, "key_dim": [16] * 3}
-    convert(expected := copy.deepcopy(source), 16, "cp", progress=False)
+    assert sidecar["model_kwargs"] == {**SMALL, "key_dim": [16] * 3} and sidecar["method"] == "tucker"
+    convert(expected := copy.deepcopy(source), 16, progress=False)
     data = make_image_folder(tmp_path / "data", classes=5, train_per_class=1, val_per_class=1, size=32)
     results = evaluate_run(evaluate_args(["--checkpoint", str(out), "--data-dir", str(data), "--workers", "0"]))
     assert results["num_params"] == sum(p.numel() for p in expected.parameters())

@@ -206,7 +206,7 @@ POSTHOC_FINETUNE = ('--epochs', '1', '--batch-size', '4', '--lr-base-batch', '4'
 
 
 def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_data, tmp_path):
-    """slurm/posthoc.sbatch at tiny size, Tucker and CP: conversion alone first (as on a CPU partition; one task gets
+    """slurm/posthoc.sbatch at tiny size, two key dims: conversion alone first (as on a CPU partition; one task gets
     the time-limit warning mid-conversion and requeues), then the whole array, which finds the conversions done;
     every cell converted, evaluated, fine-tuned and evaluated again, the source evaluated; a resubmission redoes
     nothing. (The three tasks share the two CPUs: --oversubscribe.)"""
@@ -216,9 +216,9 @@ def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_da
     root = tmp_path / 'runs' / 'posthoc'
     env = {'RUNS_DIR': str(tmp_path / 'runs'), 'EXPERIMENT': 'posthoc', 'POSTHOC_DATA_DIR': tiny_data,
            'POSTHOC_MODEL': 'deit_tiny_patch16_224', 'POSTHOC_CHECKPOINT': str(tmp_path / 'source.pth'),
-           'POSTHOC_MODEL_KWARGS': ' '.join(kwargs), 'POSTHOC_KEY_DIMS': '12', 'POSTHOC_METHODS': 'tucker cp',
+           'POSTHOC_MODEL_KWARGS': ' '.join(kwargs), 'POSTHOC_KEY_DIMS': '12 8',
            'NPROC_PER_NODE': '1', 'POSTHOC_EVAL_ARGS': '--cpu-threads 1 --workers 0 --batch-size 12'}
-    cells = {'tucker_k12': 'tucker', 'cp_k12': 'cp'}  # tasks 0 and 1; task 2: the source
+    cells = {'tucker_k12': 12, 'tucker_k8': 8}  # tasks 0 and 1; task 2: the source
 
     def submit(name: str, warn_task: int = -1, **extra) -> list:
         job = sbatch(slurm, 'posthoc.sbatch', *POSTHOC_FINETUNE, extra_env={**env, **extra},
@@ -236,21 +236,21 @@ def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_da
         return [(tmp_path / f'{name}-{task}.out').read_text() for task in range(3)]
 
     logs = submit('convert', warn_task=1, POSTHOC_CONVERT_ONLY='1')
-    assert 'SIGUSR1: requeueing' in logs[1] and logs[1].count('cp_k12: converting') == 2  # requeued, converted again
-    for task, (cell, method) in enumerate(cells.items()):
+    assert 'SIGUSR1: requeueing' in logs[1] and logs[1].count('tucker_k8: converting') == 2  # requeued, converted again
+    for task, (cell, key_dim) in enumerate(cells.items()):
         conversion = json.loads((root / cell / 'converted.json').read_text())
-        assert conversion['method'] == method and conversion['model_kwargs'] == {**POSTHOC_SOURCE, 'key_dim': [12]}
+        assert conversion['method'] == 'tucker' and conversion['model_kwargs'] == {**POSTHOC_SOURCE, 'key_dim': [key_dim]}
         assert f'{cell}: converted (POSTHOC_CONVERT_ONLY=1' in logs[task]
         assert not (root / cell / 'eval_converted.json').exists() and not (root / cell / 'finetune').exists()
     assert 'source: nothing to convert' in logs[2] and not (root / 'source' / 'eval.json').exists()
     converted_at = {cell: (root / cell / 'converted.safetensors').stat().st_mtime_ns for cell in cells}
 
     logs = submit('all')
-    for task, (cell, method) in enumerate(cells.items()):
+    for task, (cell, key_dim) in enumerate(cells.items()):
         assert f'{cell}: converted already' in logs[task] and f'{cell}: done' in logs[task]
         assert (root / cell / 'converted.safetensors').stat().st_mtime_ns == converted_at[cell]
         result = json.loads((root / cell / 'result.json').read_text())
-        assert (result['method'], result['key_dim'], result['finetune_epochs']) == (method, 12, 1)
+        assert (result['method'], result['key_dim'], result['finetune_epochs']) == ('tucker', key_dim, 1)
         before = json.loads((root / cell / 'eval_converted.json').read_text())
         after = json.loads((root / cell / 'eval_finetuned.json').read_text())
         assert before['checkpoint'] == str(root / cell / 'converted.safetensors')
@@ -262,14 +262,14 @@ def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_da
         cfg = yaml.safe_load((root / cell / 'finetune' / 'config.yaml').read_text())
         assert cfg['checkpoint'] == str(root / cell / 'converted.safetensors') and cfg['lr'] == 1e-5
         _, meta = read_weights(str(root / cell / 'finetune' / 'model.safetensors'))
-        assert meta['model_name'] == 'collab_deit_tiny_patch16_224' and meta['model_kwargs']['key_dim'] == 12
+        assert meta['model_name'] == 'collab_deit_tiny_patch16_224' and meta['model_kwargs']['key_dim'] == key_dim
         assert after['top1'] == pytest.approx(meta['metrics']['top1'])
     reference = evaluate_run(evaluate_args(['--model', 'deit_tiny_patch16_224', '--checkpoint',
                                             str(tmp_path / 'source.pth'), '--data-dir', tiny_data, '--workers', '0',
                                             '--cpu-threads', '1', '--model-kwargs', *kwargs]))
     assert json.loads((root / 'source' / 'eval.json').read_text())['top1'] == pytest.approx(reference['top1'])
     summary = json.loads((root / 'summary.json').read_text())
-    assert [(r['method'], r['key_dim']) for r in summary['cells']] == [('cp', 12), ('tucker', 12)]
+    assert [(r['method'], r['key_dim']) for r in summary['cells']] == [('tucker', 12), ('tucker', 8)]
     assert summary['source']['top1'] == pytest.approx(reference['top1'])
     assert len((root / 'summary.md').read_text().splitlines()) == 2 + 1 + 2  # header, source, cells
 

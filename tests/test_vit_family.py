@@ -17,6 +17,7 @@ import collab_vit
 import vit_family
 from collab_vit.cli import main as cli_main
 from collab_vit.conversion import recipe, reparam
+from collab_vit.conversion.fit import METHODS
 from numerics import U32, assert_within
 
 POST_HOC = Path(__file__).parents[1] / "docs" / "post_hoc.md"
@@ -173,7 +174,7 @@ def siglip_file(tmp_path_factory) -> tuple[Path, list[str]]:
 
 def in_memory(key_dim: int) -> torch.nn.Module:
     model = vit_family.create(*vit_family.CASES["SigLIP image tower (attention-pool head)"])
-    collab_vit.reparametrize(model, key_dim=key_dim, method="cp", progress=False)
+    collab_vit.reparametrize(model, key_dim=key_dim, progress=False)
     return model
 
 
@@ -181,7 +182,7 @@ def test_convert_cli_any_timm_model_to_a_folder_and_a_file(siglip_file, tmp_path
     path, flags = siglip_file
     name = "vit_base_patch16_siglip_224"
     base = ["convert", "--model", name, "--checkpoint", str(path), "--model-kwargs", *flags,
-            "--key-dim", "24", "--method", "cp"]
+            "--key-dim", "24"]
     assert cli_main(base + ["--out", str(tmp_path / "folder")]) == 0
     assert sorted(p.name for p in (tmp_path / "folder").iterdir()) == ["config.json", "conversion.json",
                                                                        "model.safetensors"]
@@ -231,7 +232,7 @@ def test_convert_cli_bad_out_is_one_line(siglip_file, tmp_path: Path, capsys) ->
 def test_one_layer_with_qk_norm_is_refused_before_decomposing(monkeypatch) -> None:
     from timm.layers import Attention
 
-    monkeypatch.setitem(reparam.METHODS, "tucker", lambda *a, **k: pytest.fail("decomposed a refused layer"))
+    monkeypatch.setitem(METHODS, "tucker", lambda *a, **k: pytest.fail("decomposed a refused layer"))
     with pytest.raises(ValueError, match="cannot convert this Attention: qk_norm"):
         collab_vit.reparametrize_attention(Attention(32, 4, qk_norm=True, norm_layer=torch.nn.LayerNorm), 8)
 

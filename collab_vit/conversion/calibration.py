@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..checks import positive_int, positive_real
+from ..checks import positive_real
 from .decompose import Decomposition, canonical_form, energy_spectrum, relative_error
 
 __all__ = ["DEFAULT_RIDGE", "TokenMoments", "Whitening", "whitener", "whitening", "whitened_decomposition",
@@ -169,33 +169,25 @@ def whitened_decomposition(wq: Tensor, wk: Tensor, rank: int, sides: tuple[White
         fit.relative_error
 
 
-def calibration_images(calibration: Calibration, input_size: Sequence[int], max_images: Optional[int] = None,
-                       batch_size: int = 64) -> Tensor:
+def calibration_images(calibration: Calibration, input_size: Sequence[int], batch_size: int = 64) -> Tensor:
     """The calibration images as one (B, C, H, W) float tensor, checked against the model's ``input_size``.
 
     ``calibration``: a (B, C, H, W) tensor, or an iterable of batches (a ``DataLoader`` yielding ``(images,
-    labels)`` or images). At most ``max_images`` are read. One-line ``ValueError`` for an empty input, a wrong
-    shape (channels, size) or non-finite pixels.
+    labels)`` or images). One-line ``ValueError`` for an empty input, a wrong shape (channels, size) or non-finite
+    pixels.
     """
-    if max_images is not None:
-        positive_int(max_images, "max_images")
     batches = calibration.split(batch_size) if isinstance(calibration, Tensor) else calibration
     try:
         iterator: Iterator = iter(batches)
     except TypeError:
         raise ValueError(f"calibration must be an image tensor or an iterable of batches, got "
                          f"{type(calibration).__name__}") from None
-    kept, count = [], 0
+    kept = []
     for batch in iterator:
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
         _check_images(images, input_size)
-        if max_images is not None:
-            images = images[: max_images - count]
         kept.append(images.detach())
-        count += images.shape[0]
-        if max_images is not None and count >= max_images:
-            break
-    if count == 0:
+    if not kept or sum(images.shape[0] for images in kept) == 0:
         raise ValueError("calibration data is empty: no images")
     return torch.cat(kept)
 

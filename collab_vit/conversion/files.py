@@ -11,24 +11,22 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
 import timm
 import torch
 import torch.nn as nn
 
-from ..checks import is_integer
-from ..layers.construction import full_rank
-from .spectrum import check_spectra, format_spectrum_table, layer_spectra, plot_spectra, suggest_budget, suggest_key_dim
+from .spectrum import check_spectra, format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
 from ..weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_folder, export_writer, model_pipeline,
                           one_line, read_weights, write_folder, write_together)
 from .calibration import DEFAULT_RIDGE, calibration_images
-from .budget import BUDGET_PREFIX, KeyDimSpec
+from .dims import KeyDimSpec, check_spec, layer_dims
 from .recipe import Recipe
 from .record import converted_record, rebuild_problem
 from .reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
-from .rotary import check_rotary_spec
+from .rotary import is_rotary
 from .support import Support, check_model
 
 
@@ -146,16 +144,17 @@ def weights_origin(model: nn.Module, checkpoint: Optional[str]) -> str:
 
 
 def parse_key_dim(text: str) -> KeyDimSpec:
-    """``384`` (all layers), ``384,384,256,...`` (one per layer), ``budget=0.25`` or ``0.95`` (energy threshold)."""
-    if text.startswith(BUDGET_PREFIX):
-        return text
+    """``--key-dim``: ``384`` (all layers) or ``384,384,256,...`` (one per layer), read once here and checked by
+    ``dims.check_spec`` (a budget ``budget=F`` or an energy threshold ``0.95``: its line of ``dims.REMOVED``)."""
+    value: object = text
     try:
-        if "," in text:
-            return [int(part) for part in text.split(",")]
-        return float(text) if "." in text else int(text)
+        value = [int(part) for part in text.split(",")] if "," in text else int(text)
     except ValueError:
-        raise ValueError(f"--key-dim must be an int, a comma list of ints, budget=F or a threshold like 0.95, "
-                         f"got {text!r}")
+        try:
+            value = float(text)
+        except ValueError:
+            pass
+    return check_spec(value)
 
 
 def format_report(reports: list[LayerReport]) -> str:
@@ -166,20 +165,7 @@ def format_report(reports: list[LayerReport]) -> str:
         cells = [r.name, str(r.key_dim), f"{r.tensor_error:.4f}", f"{r.output_error:.4f}", f"{r.seconds:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = {f"attention-output error on {r.error_tokens}" for r in reports}
-    notes |= {f"key dims from the {r.key_dim_from}" for r in reports if r.key_dim_from != "given"}
     return "\n".join(lines) + "\n\n" + "; ".join(sorted(notes))
-
-
-def check_key_dims(key_dim: Union[None, int, float, list[int]], model: nn.Module) -> None:
-    """A one-line ValueError for a key dim beyond a layer's full rank ``attn_dim`` (heads x head dim): the
-    conversion is exact there, and a larger one only adds zero columns (docs/math.md)."""
-    layers = timm_attention_layers(model)
-    dims = key_dim if isinstance(key_dim, list) else [key_dim] * len(layers)
-    for (name, attn), dim in zip(layers, dims):
-        full = full_rank(attn)
-        if is_integer(dim) and dim > full:
-            raise ValueError(f"--key-dim {dim} is beyond the full rank {full} of {name} (num_heads x head_dim): the "
-                             f"conversion is exact at {full}, a larger key dim only adds zero columns")
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -218,17 +204,28 @@ def check_source(model_name: str, model_kwargs: Optional[dict[str, Any]] = None,
                  key_dim: KeyDimSpec = None) -> Support:
     """The support of ``model_name``'s architecture, built without weights on the meta device (nothing downloaded,
     no memory; on the CPU where a model cannot be built on ``meta``): a one-line ``ValueError`` for a model that
-    cannot be converted (``support.check_model``), or a rotary one at a key dim it does not take yet."""
+    cannot be converted (``support.check_model``), or a key dim it does not take (``dims.layer_dims``: beyond a
+    layer's full rank, odd on a rotary layer, a list of another length)."""
     try:
         skeleton = _create(model_name, dict(model_kwargs or {}), device="meta")
     except NotImplementedError:  # an init that needs real tensors
         skeleton = _create(model_name, dict(model_kwargs or {}))
     support = check_model(skeleton)
-    check_rotary_spec(skeleton, support.layers, key_dim)
+    check_dims(skeleton, support.layers, key_dim, beyond=False)
     return support
 
 
-def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, list[int]], method: str, out: Path,
+def check_dims(model: nn.Module, layers: list[tuple[str, nn.Module]], key_dim: KeyDimSpec, beyond: bool = True
+               ) -> None:
+    """``--key-dim`` against ``model``'s attention ``layers`` (``dims.layer_dims``; works on meta): a list of
+    another length, odd on a rotary layer, and with ``beyond`` (layers in timm's form: ``timm_attention_layers``)
+    above a layer's full rank."""
+    if key_dim is not None:  # full rank: nothing to check
+        layer_dims(key_dim, layers, even=any(is_rotary(attn, model) for _, attn in layers),
+                   beyond="--key-dim" if beyond else None)
+
+
+def convert_to_file(model_name: Optional[str], key_dim: KeyDimSpec, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
                     save_folder: Optional[Callable[..., Any]] = None, **options) -> list[LayerReport]:
@@ -243,8 +240,8 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
     dim; a timm DeiT as ``collab_deit_*``) and the source's evaluation data config, so ``eval.py`` and
     ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=out))`` rebuild the converted model
     from the file alone. ``calibration(source_model, metadata)`` gives calibration
-    images (the calibrated recipe; ``options``: ``effort``, ``progress``, ``recipe``); nothing is written when they are
-    bad.
+    images (the calibrated recipe; ``options``: ``effort``, ``progress``, and ``recipe`` for the tests); nothing is
+    written when they are bad.
     ``device`` runs the model's forward passes and the refinement there (the decompositions run on the CPU).
     """
     kind = output_kind(out)
@@ -254,13 +251,13 @@ def convert_to_file(model_name: Optional[str], key_dim: Union[None, int, float, 
         check_source(model_name, model_kwargs, key_dim)  # an unsupported model fails before any download
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs, seed)
     support = check_model(model)
-    check_key_dims(key_dim, model)
+    check_dims(model, timm_attention_layers(model), key_dim)
     model.to(device)
     if calibration is not None:
         options["calibration"] = calibration(model, meta)
-    reports = convert_model(model, key_dim, method, options.get("calibration"), options.get("effort", "default"), seed,
-                            options.get("progress", True), options.get("recipe") or Recipe())
-    info = {"source": checkpoint or model_name, "method": method, "seed": seed,
+    reports = convert_model(model, key_dim, "tucker", options.get("calibration"), options.get("effort", "default"),
+                            seed, options.get("progress", True), options.get("recipe") or Recipe())
+    info = {"source": checkpoint or model_name, "method": "tucker", "seed": seed,
             "layers": [r.as_dict() for r in reports], "kept": support.kept}
     if getattr(reports, "summary", None):
         info["calibration"] = reports.summary
@@ -288,9 +285,8 @@ ANALYZE_OUTPUT = ("spectrum.md", "spectrum.png")  # what ``collab-vit analyze`` 
 
 def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: Path, threshold: float = 0.95,
                      calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None,
-                     model_kwargs: Optional[dict[str, Any]] = None, seed: int = 0) -> tuple[str, int, str]:
-    """Per-layer spectrum table (Markdown), the key dim suggested at ``threshold`` and a budget (``budget=F``: the
-    dims the threshold keeps summed over the layers, as a fraction of the source's); with ``calibration(model,
+                     model_kwargs: Optional[dict[str, Any]] = None, seed: int = 0) -> tuple[str, int]:
+    """Per-layer spectrum table (Markdown) and the key dim suggested at ``threshold``; with ``calibration(model,
     metadata)`` images, of the whitened forms (the table's last line says which). ``out``, a folder written all or
     none, gets ``spectrum.md`` (the table and the suggestions) and ``spectrum.png`` (the plot); ``seed``: of a
     ``checkpoint="none"`` source's weights."""
@@ -303,9 +299,9 @@ def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: 
     spectra = layer_spectra(model, images, DEFAULT_RIDGE)
     which = "weights" if images is None else f"whitened by {images.shape[0]} calibration images"
     table = format_spectrum_table(spectra) + f"\nspectrum of the bilinear forms: {which}\n"
-    key_dim, budget = suggest_key_dim(spectra, threshold), suggest_budget(spectra, threshold)
+    key_dim = suggest_key_dim(spectra, threshold)
     text = (f"# {model_name}: key/query redundancy (section 3.1)\n\n{table}\nsuggested key_dim ({threshold:.0%} of "
-            f"the energy in every layer): {key_dim}\nsuggested budget: --key-dim {budget}\n")
+            f"the energy in every layer): {key_dim}\n")
 
     def fill(folder: str) -> None:
         plot_spectra(spectra, Path(folder) / "spectrum.png", title=f"{model_name}: key/query redundancy (section "
@@ -313,4 +309,4 @@ def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: 
         atomic_write(str(Path(folder) / "spectrum.md"), lambda f: f.write(text.encode()))
 
     write_folder(str(out), fill, ANALYZE_OUTPUT)
-    return table, key_dim, budget
+    return table, key_dim

@@ -3,7 +3,8 @@
 Below ``heads x head_dim`` the per-head bilinear forms ``T_i = Wq_i Wk_i^T`` get a rank-``key_dim`` decomposition
 (``decompose``), weight-only or of the forms whitened by the tokens the layer sees (``calibration``, docs/math.md
 "Data-aware conversion"); at or above it the concatenate construction is exact. :func:`layer_from_decomposition`
-builds every converted layer.
+builds every converted layer; :func:`tensor_error` and :func:`output_error` measure a fitted layer against its
+source (rotary layers' tensor error: ``rotary_fit.layer_error``).
 """
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.nn as nn
 from timm.layers import Attention
 
 from ..layers.attention import CollaborativeAttention
 from ..layers.construction import from_factors, not_convertible
 from .calibration import Whitening, whitened_decomposition
-from .decompose import (Decomposition, cp_decompose, exact_decomposition, parafac_decompose, split_qkv_heads,
-                        tucker_decompose)
+from .decompose import (Decomposition, cp_decompose, exact_decomposition, parafac_decompose, relative_error,
+                        split_qkv_heads, tucker_decompose)
 from .forms import keeps_form
 from .support import attention_reason
 
@@ -83,6 +85,27 @@ def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
             decomposition, whitened = whitened_decomposition(wq, wk, key_dim, sides, decompose, **options)
     return LayerFit(layer_from_decomposition(attn, decomposition), key_dim, decomposition.relative_error, whitened,
                     time.perf_counter() - began)
+
+
+def tensor_error(attn: Attention, layer: nn.Module) -> float:
+    """``||T - T~|| / ||T||`` of a fitted (e.g. refined) collaborative layer against its source ``attn``."""
+    wq, wk = head_factors(attn)
+    weights = (layer.query.weight.T, layer.key.weight.T, layer.mixing)
+    return relative_error(wq, wk, *(w.detach().cpu() for w in weights))
+
+
+@torch.no_grad()
+def output_error(layer: nn.Module, source: nn.Module, call: tuple[torch.Tensor, dict[str, Any]]) -> float:
+    """``||layer(x) - source(x)|| / ||source(x)||`` on one call (the tokens and the keywords a layer is called with,
+    e.g. the rope: ``rotary.layer_calls``; ``(tokens, {})`` for standard attention), both in eval mode (their train
+    flags are put back), on ``layer``'s device: the attention-output error of a converted layer
+    (``LayerReport.output_error``)."""
+    tokens = call[0].to(next(layer.parameters()).device)
+    was = layer.training, source.training
+    out, ref = layer.eval()(tokens, **call[1]), source.eval()(tokens, **call[1])
+    layer.train(was[0])
+    source.train(was[1])
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @contextmanager

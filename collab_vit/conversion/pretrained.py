@@ -35,7 +35,8 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from .. import _version
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import atomic_write, safetensors_writer
-from .fit import METHODS, fit_attention
+from .fit import METHODS
+from .recipe import STANDARD
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 
@@ -168,7 +169,7 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
         dim = state_dict[prefix + "qkv.weight"].shape[1]
         attn = Attention(dim, target.num_heads, qkv_bias=prefix + "qkv.bias" in state_dict)
         attn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        layer = fit_attention(attn, target.key_dim, method, None, **options).layer
+        layer = STANDARD.weight_only(attn, target.key_dim, method, **options).layer
         for key in [k for k in converted if k.startswith(prefix)]:
             del converted[key]
         converted.update({prefix + k: v for k, v in layer.state_dict().items()})

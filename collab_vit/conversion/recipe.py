@@ -1,26 +1,26 @@
 """The calibrated conversion: candidates measured on held-out calibration images, never worse than weight-only.
 
 With calibration images the conversion holds part of them out (a quarter, 1 to 256, drawn by the seed), fits the
-others, and measures every candidate on the held-out images as they are (as the model evaluates them: no views): per
+others, and measures every candidate on the held-out images as they are (as the model evaluates them): per
 held-out image, ``KL(softmax(source outputs) || softmax(converted outputs))`` (logits, or features for a model without
 a head). Candidates (RESULTS.md (b): each wins somewhere): the weight-only fit; the whitened closed form with the class
 token weighted by the ``"balanced"`` rule (docs/math.md, "Query weights"); on rotary layers also each head keeping its
 strongest pairs (``rotary_fit.selection_fit``, issue 40); and, by ``effort``, the better of them refined layer by
 layer (``blockwise.py``: each layer's output error in the Fisher form of the output KL, from the source's tokens and
-sensitivities read in one pass; issue 40 measured it against the whole-model refinement of ``refine.py``, which it
-replaced as the default: RESULTS.md (b)). The weight-only fit is always measured and kept unless another candidate
+sensitivities read in one pass; issue 40 measured it against a whole-model refinement, removed in issue 54:
+RESULTS.md (b)). The weight-only fit is always measured and kept unless another candidate
 is better beyond what the held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image
 gain); of the resolved candidates the best is kept, so the result is never worse than weight-only on the held-out
 images. The held-out split and the guard's constants were chosen by leave-one-source-out on six trained sources
-(RESULTS.md (b), ``experiments/recipe_holds.py``).
+(RESULTS.md (b)).
 """
 from __future__ import annotations
 
 import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,59 +31,69 @@ from tqdm import tqdm
 
 from ..checks import is_integer, positive_int
 from ..layers.construction import replace_submodule
-from .budget import Budget, KeyDimSpec, as_spec, key_dims
-from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitened_spectrum, whitening
-from .decompose import energy_spectrum, relative_error
+from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitening
+from .dims import REMOVED
 from .capture import model_outputs, prefix_tokens, source_tokens
-from .fit import LayerFit, fit_attention, head_factors
-from .guard import Verdict, held_out_split, judge
+from .fit import LayerFit, fit_attention, tensor_error
+from .guard import Verdict, held_out_split, judge, per_image_kl
 from .blockwise import cache_bytes, check_memory, converted_calls, layer_inputs, refine_blocks
-from .refine import per_image_kl, refine_logits
-from .views import augmented_views, check_kind
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
-# of the output KL; "refine": refine.py, the whole model on the images and their views). RESULTS.md (b), issue 40: the
-# blockwise default is as good or better on two sources at about a twentieth of the compute, the whole-model one
-# ("thorough", the default before) better at D/16 on the third. Refining both starts was measured no better and
-# removed: RESULTS.md (b).
-EFFORTS: dict[str, str] = {"fast": "", "default": "blocks", "thorough": "refine"}
-# each refinement's passes over the fitting images (steps = passes x images / batch: per layer for "blocks", 448 for
-# the 1792 fitting images of DEFAULT_IMAGES)
-PASSES: dict[str, int] = {"blocks": 16, "refine": 160}
+# of the output KL). RESULTS.md (b), issue 40: the blockwise default is as good or better than the whole-model
+# refinement on two sources at about a twentieth of its compute; that one ("thorough") won one cell and was removed
+# (issue 54), as was refining both starts.
+EFFORTS: dict[str, str] = {"fast": "", "default": "blocks"}
+# the blockwise refinement's passes over the fitting images (steps per layer = passes x images / batch)
+PASSES: dict[str, int] = {"blocks": 16}
 DEFAULT_IMAGES = 2048  # calibration images the command draws by default: the blockwise refinement gains with them
 MAX_HOLDOUT = 256  # the guard's held-out images at most (64 before issue 40's leave-one-source-out choice)
 STARTS = ("weight", "whitened")
 
 
 def check_effort(effort: object) -> str:
+    if effort == "thorough":
+        raise ValueError(REMOVED["thorough"])
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {tuple(EFFORTS)}, got {effort!r}")
     return str(effort)
 
 
+# the recipe's measured constants (RESULTS.md (b)); ``Recipe`` gathers them so that an experiment or a test can vary
+# one: no public entry (``reparametrize``, ``collab-vit convert``) takes a Recipe
+PREFIX_WEIGHT = "balanced"  # the whitened start's class-token weight: the "balanced" rule (docs/math.md)
+REFINE_LR = 1e-3  # the blockwise refinement's Adam lr (issue 40's leave-one-source-out choice)
+BATCH_SIZE = 64
+SAMPLES = 4  # classes drawn per image for the blockwise refinement's Fisher form (blockwise.py)
+CONFIDENCE = 0.9  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
+
+
+def autocast_on(device: torch.device) -> bool:
+    """The device's rule: the forward passes that capture the tokens run in bfloat16 autocast on CUDA only."""
+    return device.type == "cuda"
+
+
 @dataclass
 class Recipe:
-    """What the calibrated conversion does beyond the public options (the measured defaults)."""
+    """The calibrated conversion's constants (module constants above), for experiments and tests to vary."""
 
     ridge: float = DEFAULT_RIDGE
-    prefix_weight: object = "balanced"  # of the whitened start: a number, or the "balanced" rule
+    prefix_weight: object = PREFIX_WEIGHT  # of the whitened start: a number, or the "balanced" rule
     refine_steps: Optional[int] = None  # None: from effort and the number of images
-    refine_lr: float = 1e-3
-    batch_size: int = 64
-    amp: bool = False  # bfloat16 autocast for the forward passes that capture the tokens
+    refine_lr: float = REFINE_LR
+    batch_size: int = BATCH_SIZE
+    amp: Optional[bool] = None  # bfloat16 autocast of the capture; None: the device's rule (``autocast_on``)
     holdout: Optional[int] = None  # held-out images; None: a quarter, 1 to 256 (drawn by the seed: guard.py)
-    samples: int = 4  # classes drawn per image for the blockwise refinement's Fisher form (blockwise.py)
-    views: int = 8  # views of each fitting image the refinement sees, the image itself included (views.py)
-    augment: str = "crop"  # the kind of the refinement's other views (views.KINDS); the guard scores no views
-    confidence: float = 0.9  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
-    max_images: Optional[int] = None
-    candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+refine",)); None: from effort
-    decomposition: dict = field(default_factory=dict)  # max_iter, tol, dtype
+    samples: int = SAMPLES
+    confidence: float = CONFIDENCE
+    candidates: Optional[Sequence[str]] = None  # pin them (e.g. ("whitened+blocks",)); None: from effort
 
-    def __post_init__(self) -> None:  # the views' settings, checked even where a conversion draws none
+    def __post_init__(self) -> None:
         positive_int(self.samples, "samples")
-        positive_int(self.views, "views")
-        check_kind(self.augment)
+        kinds = {f"+{kind}" for kind in EFFORTS.values() if kind}
+        for name in self.candidates or ():
+            if "+" in name and name[name.index("+"):] not in kinds:
+                raise ValueError(f"candidate {name!r}: the refinements are {sorted(kinds)} (the whole-model "
+                                 f"'+refine' was removed: RESULTS.md (b))")
 
 
 def split(n: int, holdout: Optional[int]) -> int:
@@ -110,54 +120,35 @@ def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
     return [f"{ranked[0]}+{kind}"] if kind else []
 
 
-def tensor_error(attn: Attention, layer: nn.Module) -> float:
-    """``||T - T~|| / ||T||`` of a fitted (e.g. refined) layer."""
-    wq, wk = head_factors(attn)
-    weights = (layer.query.weight.T, layer.key.weight.T, layer.mixing)
-    return relative_error(wq, wk, *(w.detach().cpu() for w in weights))
-
-
-def start_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec, moments: list, ridge: float,
-               prefix_weight: float) -> tuple[dict[str, list[int]], str]:
-    """Each start's key dims: a threshold or budget reads the weight spectra for the weight-only start (so that
-    candidate is the weight-only conversion itself) and the whitened ones for the whitened start (thresholds weigh
-    every token alike, as measured; budgets use the class-token weighting of the fit)."""
-    by_weight, dims_from = weight_dims(layers, spec)
-    if not isinstance(spec, (float, Budget)):
-        return {start: by_weight for start in STARTS}, dims_from
-    white = [whitened_spectrum(*head_factors(attn), whitening(m, ridge, prefix_weight if isinstance(spec, Budget)
-                                                               else 1.0)) for (_, attn), m in zip(layers, moments)]
-    full = [a.attn_dim for _, a in layers]
-    return {"weight": by_weight, "whitened": key_dims(spec, full, white)[0]}, dims_from
-
-
-def weight_dims(layers: list[tuple[str, Attention]], spec: KeyDimSpec) -> tuple[list[int], str]:
-    """The weight-only conversion's key dims (thresholds and budgets read the weight spectra) and where they came
-    from: ``_weight_only`` and the recipe's weight-only candidate both take them from here."""
-    spectra = [energy_spectrum(*head_factors(a))[0] for _, a in layers] if isinstance(spec, (float, Budget)) else []
-    return key_dims(spec, [a.attn_dim for _, a in layers], spectra)
-
-
 @dataclass(frozen=True)
 class Builder:
-    """How one kind of layer's candidates are built: their key dims per start (``start_dims``), the whitening of a
-    layer's moments, the fit (``fit_attention``'s arguments) and the tensor error of a refined layer. None: standard
-    attention's (this module's functions, looked up when called); rotary layers: ``rotary_fit.ROTARY``."""
+    """How one kind of layer's candidates are built: the whitening of a layer's moments, the fit (``fit_attention``'s
+    arguments) and the tensor error of a refined layer. None: standard attention's (this module's functions, looked
+    up when called); rotary layers: ``rotary_fit.ROTARY``."""
 
-    dims: Optional[Callable] = None
     sides: Optional[Callable] = None
     fit: Optional[Callable] = None
     tensor_error: Optional[Callable] = None
     extra: tuple[tuple[str, Callable], ...] = ()  # more closed-form starts, ``(name, fit(attn, key_dim))``: at the
     # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
-    weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim, given)`` (``given``: the key
-    # dims were given, not read from spectra), where it is not ``fit`` without sides (``rotary_fit.weight_only``)
+    weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim)``, where it is not ``fit``
+    # without sides (``rotary_fit.weight_only``)
     calls: Optional[Callable] = None  # ``calls(model, layers, images)``: each layer's keywords for ``extra`` and
     # ``weight`` (rotary layers: the rope it is called with, which ranks the selection's pairs)
 
     @property
     def starts(self) -> tuple[str, ...]:
         return STARTS + tuple(name for name, _ in self.extra)
+
+    def weight_only(self, attn: nn.Module, key_dim: int, method: str = "tucker", keywords: Optional[dict] = None,
+                    **options: Any) -> LayerFit:
+        """One layer's weight-only conversion at ``key_dim``, the one function the recipe's weight-only start,
+        ``reparam``'s weight-only conversion and ``pretrained``'s conversion on load call: ``weight`` where set
+        (rotary layers, with the layer's ``keywords``: ``calls``), else the ``method`` fit (``options``: ``seed,
+        max_iter, tol, dtype``)."""
+        if self.weight is not None:
+            return self.weight(attn, key_dim, **(keywords or {}))
+        return (self.fit or fit_attention)(attn, key_dim, method, None, **options)
 
 
 STANDARD = Builder()
@@ -200,8 +191,7 @@ class SourceData:
     """What the source model gives the recipe before any layer is swapped (``RecipeRun``)."""
 
     fit: int  # fitting images: the first ones of the seeded order (the rest is held out)
-    inputs: Tensor  # the refinement's inputs: the fitting images and their views (``views.py``)
-    targets: Tensor  # the source's outputs on ``inputs``
+    inputs: Tensor  # the refinement's inputs: the fitting images
     held_out: int  # held-out images (0: one image, measured on the image it was fitted on)
     held_inputs: Tensor  # the held-out images, as they are
     held_target: Tensor  # the source's log-probabilities on ``held_inputs``
@@ -213,27 +203,31 @@ class SourceData:
 
 def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, seed: int
             ) -> SourceData:
-    """Split ``images`` (held out: by the seed), capture the layers' tokens and the source's outputs, draw the
-    fitting images' views and score them with the source."""
+    """Split ``images`` (held out: by the seed), capture the layers' tokens and the source's outputs (in bfloat16
+    autocast where ``amp_of`` says so; the KL targets at full precision)."""
     n = images.shape[0]
     fit = split(n, recipe.holdout)
     images = images[held_out_split(n, seed)]
     start = time.perf_counter()
-    with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=recipe.amp):
+    device = next(model.parameters()).device
+    amp = amp_of(recipe, device)
+    with torch.autocast(device.type, torch.bfloat16, enabled=amp):
         moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size)
-    if recipe.amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
+    if amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
         outputs = model_outputs(model, images, recipe.batch_size)
-    inputs = augmented_views(images[:fit], recipe.views, recipe.augment, seed)
-    targets = torch.cat([outputs[:fit], model_outputs(model, inputs[fit:], recipe.batch_size)]) \
-        if inputs.shape[0] > fit else outputs[:fit]
     held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
-    return SourceData(fit, inputs, targets, n - fit, held_images, F.log_softmax(held_outputs.float(), dim=-1),
+    return SourceData(fit, images[:fit], n - fit, held_images, F.log_softmax(held_outputs.float(), dim=-1),
                       moments, held, peak, time.perf_counter() - start)
 
 
+def amp_of(recipe: Recipe, device: torch.device) -> bool:
+    """``recipe.amp`` where an experiment set it, else the device's rule (``autocast_on``)."""
+    return autocast_on(device) if recipe.amp is None else bool(recipe.amp)
+
+
 class RecipeRun:
-    """One calibrated conversion under way: the source's data (``capture``: the seed draws the held-out images and the
-    views), and how candidates are fitted (``method``, seeded), refined, installed in ``model`` and measured on the
+    """One calibrated conversion under way: the source's data (``capture``: the seed draws the held-out images), and
+    how candidates are fitted (``method``, seeded), refined, installed in ``model`` and measured on the
     held-out images. ``calibrated`` drives it; the experiments drive it step by step."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe,
@@ -247,16 +241,9 @@ class RecipeRun:
             weight = 1.0  # the rule needs the patch count; without it every token counts alike
         self.prefix_weight = prefix_weight_for(weight, prefix_tokens(model), patches)
         self.progress, self.bar = False, None  # progress bars (``calibrated`` sets them)
-        self.dims_from = "given"
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
         self.keywords = builder.calls(model, layers, images) if builder.calls else [{} for _ in layers]
         self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
-
-    def dims(self, spec: KeyDimSpec) -> dict[str, list[int]]:
-        """Each start's key dims (``start_dims``, or the builder's); where they came from: ``dims_from``."""
-        dims, self.dims_from = (self.builder.dims or start_dims)(self.layers, as_spec(spec), self.source.moments,
-                                                                 self.recipe.ridge, self.prefix_weight)
-        return {**dims, **{name: dims["weight"] for name, _ in self.builder.extra}}
 
     def install(self, fits: list[LayerFit]) -> None:
         for (name, _), fitted in zip(self.layers, fits):
@@ -279,33 +266,19 @@ class RecipeRun:
         """The closed-form candidate ``name`` (``Builder.starts``) at ``dims``, measured."""
         fit_layer, sides_of = self.builder.fit or fit_attention, self.builder.sides or whitening
         extra = dict(self.builder.extra).get(name)
-        options = dict(seed=self.seed, **self.recipe.decomposition)
+        options = dict(seed=self.seed)
         fits = []
         for (_, attn), rank, moments, keywords in zip(self.layers, dims, self.source.moments, self.keywords):
             if extra is not None:
                 fits.append(extra(attn, rank, **keywords))
-            elif name == "weight" and self.builder.weight is not None:
-                fits.append(self.builder.weight(attn, rank, self.dims_from == "given", **keywords))
+            elif name == "weight":
+                fits.append(self.builder.weight_only(attn, rank, self.method, keywords, seed=self.seed))
             else:
                 sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
                 fits.append(fit_layer(attn, rank, self.method, sides, **options))
             if self.bar is not None:
                 self.bar.update()
         return self.measure(Candidate(name, fits))
-
-    def refined(self, base: Candidate, steps: int, on_step: Optional[Callable[[int], None]] = None) -> Candidate:
-        """``base`` refined by ``steps`` steps on the fitting images' views (a copy: ``base`` is unchanged), measured;
-        ``on_step`` as ``refine_logits``'s."""
-        fits = copies(base.fits)
-        self.install(fits)
-        r = self.recipe
-        result = refine_logits(self.model, [f.layer for f in fits], self.source.inputs, self.source.targets, steps,
-                               r.refine_lr, r.batch_size, self.seed, self.progress, on_step)
-        self.tensor_errors(fits)
-        return self.measure(Candidate(f"{base.name}+refine", fits, refine={
-            "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "views": r.views,
-            "augment": r.augment, "kl_before": result.kl_before, "kl_after": result.kl_after,
-            "kept_start": result.kept_start}))
 
     def tensor_errors(self, fits: list[LayerFit]) -> None:
         """Each refined fit's tensor error against its source layer."""
@@ -383,35 +356,32 @@ def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Can
     return (min(resolved, key=lambda c: c.held_kl) if resolved else reference), verdicts
 
 
-def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], spec: KeyDimSpec, method: str, images: Tensor,
+def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], method: str, images: Tensor,
                effort: str, seed: int, progress: bool, recipe: Recipe, builder: Builder = STANDARD
                ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
-    """Fit, refine and measure the candidates at the key dims of ``spec`` (thresholds and budgets: each start's own
-    spectra, ``start_dims``); swap the one ``choose`` keeps into ``model``. Returns its fits, the held-out tokens of
+    """Fit, refine and measure the candidates at ``dims`` (one key dim per layer: ``dims.layer_dims``); swap the one
+    ``choose`` keeps into ``model``. Returns its fits, the held-out tokens of
     every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
     verdicts, which won, by how much)."""
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     kinds = {c.split("+")[1] for c in pinned if "+" in c} if pinned is not None else {EFFORTS[effort]} - {""}
     fit = split(images.shape[0], recipe.holdout)
     steps = {kind: refine_steps(recipe, kind, fit) for kind in kinds}
-    if not steps.get("refine"):
-        recipe = replace(recipe, views=1)  # the views feed the whole-model refinement alone: not drawn, not scored
     if steps.get("blocks"):  # a cache that cannot fit is refused before any work (and checked again as it fills)
         memory_checked(model, layers, images, recipe)
     run = RecipeRun(model, layers, images, recipe, method, seed, builder)
-    dims = run.dims(spec)
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
     run.progress, run.bar = progress, tqdm(total=len(layers) * len(starts), desc=f"calibrated {method}",
                                            disable=not progress)
     with torch.autocast(next(model.parameters()).device.type, enabled=False):  # fits, refinement and measures
-        found = {name: run.fit_start(name, dims[name]) for name in starts}  # at full precision
+        found = {name: run.fit_start(name, dims) for name in starts}  # at full precision
         run.bar.close()
         ranked = sorted(starts, key=lambda s: found[s].held_kl)
         refined = [c for c in pinned if "+" in c] if pinned is not None else (
             candidate_names(effort, ranked) if any(steps.values()) else [])
         for name in refined:
             start, kind = name.split("+")
-            found[name] = (run.refined if kind == "refine" else run.blockwise)(found[start], steps[kind])
+            found[name] = run.blockwise(found[start], steps[kind])
     best, verdicts = choose([found[c] for c in pinned] if pinned is not None else list(found.values()),
                             recipe.confidence, seed)
     run.finish(best)
@@ -428,12 +398,9 @@ def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verd
         "images_fit": source.fit, "images_held_out": source.held_out,
         "measured_on": "held-out images as the model evaluates them" if source.held_out
         else "the fitting images (one image)",
-        "key_dims_from": run.dims_from if run.dims_from == "given" else
-        f"{run.dims_from} ({best.name.split('+')[0]} spectra)",
         "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
-        "prefix_weight": run.prefix_weight, "ridge": recipe.ridge, "amp": recipe.amp,
-        "views": recipe.views, "augment": recipe.augment,
-        "refine_images": source.inputs.shape[0],
+        "prefix_weight": run.prefix_weight, "ridge": recipe.ridge,
+        "amp": amp_of(recipe, next(run.model.parameters()).device), "refine_images": source.inputs.shape[0],
         "peak_token_bytes": source.peak, "capture_seconds": source.seconds, "refine_steps": steps,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
         "held_out_kl": best.held_kl,

@@ -4,15 +4,13 @@
 ``reparametrize_attention(attn, key_dim)`` one layer. At ``key_dim >= heads x head_dim`` the swap is exact
 (concatenate construction). Below, the per-head bilinear forms ``T_i = Wq_i Wk_i^T`` get a rank-``key_dim``
 decomposition (``fit.py``); the query bias stays exact through the content bias ``c_i = Wk_i bq_i`` and the key
-bias is dropped (constant along softmax rows). ``key_dim`` may also be a total budget spread over the layers
-(``budget.py``). With calibration images the recommended recipe runs (``recipe.py``): candidates measured on held-out
+bias is dropped (constant along softmax rows). With calibration images the recommended recipe runs (``recipe.py``): candidates measured on held-out
 images, never worse than weight-only there.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -21,19 +19,16 @@ from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention
 from ..layers.construction import not_convertible, replace_submodule
-from .budget import Budget, KeyDimSpec, as_spec, key_dims
-from .calibration import Calibration, TokenMoments, calibration_images, whitened_spectrum, whitening
-from .capture import source_tokens
-from .decompose import energy_spectrum
-from .fit import METHODS, LayerFit, check_method, fit_attention, head_factors, layer_from_decomposition
-from .recipe import STANDARD, Recipe, calibrated, check_effort, split, weight_dims
+from .calibration import Calibration, TokenMoments, calibration_images, whitening
+from .dims import REMOVED, KeyDimSpec, check_spec, layer_dims
+from .fit import check_method, fit_attention, layer_from_decomposition, output_error
+from .recipe import STANDARD, Builder, Recipe, calibrated, check_effort, split
 from .rotary import is_rotary, layer_calls
-from .rotary import output_error as rotary_output_error
-from .rotary_fit import ROTARY, convert_rotary, only_rotary
+from .rotary_fit import ROTARY, only_rotary
 from .support import all_or_nothing, attention_forms
 
-__all__ = ["Budget", "ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
-           "layer_from_decomposition", "output_error", "METHODS"]
+__all__ = ["ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
+           "layer_from_decomposition", "output_error"]
 
 
 @dataclass
@@ -46,7 +41,6 @@ class LayerReport:
     output_error: float  # ||attn~(x) - attn(x)|| / ||attn(x)|| on the probe / held-out tokens (``error_tokens``)
     seconds: float  # the decomposition's
     error_tokens: str = "random probe images"  # what output_error was measured on
-    key_dim_from: str = "given"  # "given", "threshold" or "budget" (of the weight or whitened spectra)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -69,37 +63,40 @@ def timm_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
     return attention_forms(model)
 
 
-def reparametrize_attention(attn: Attention, key_dim: Union[None, int, float], method: str = "tucker",
-                            calibration: Union[None, torch.Tensor, TokenMoments] = None,
-                            seed: int = 0) -> CollaborativeAttention:
+def refuse_removed(removed: dict[str, Any], entry: str) -> None:
+    """A ``TypeError`` naming what replaced a keyword argument that left ``entry`` (``dims.REMOVED``), or naming an
+    unknown one."""
+    for name in removed:
+        if name in REMOVED:
+            raise TypeError(f"{entry}: {REMOVED[name]}")
+    if removed:
+        raise TypeError(f"{entry}() got unexpected keyword arguments {sorted(removed)}")
+
+
+def reparametrize_attention(attn: Attention, key_dim: Optional[int] = None, *,
+                            calibration: Union[None, torch.Tensor, TokenMoments] = None, seed: int = 0,
+                            **removed: Any) -> CollaborativeAttention:
     """The ``CollaborativeAttention`` replacing the timm ``attn`` at ``key_dim`` (section 3.3); ``attn`` is unchanged.
 
-    Exact at ``key_dim >= heads x head_dim`` (or None). Below, a ``method`` decomposition (``"tucker"``, ``"cp"``,
-    ``"parafac"``, seeded by ``seed``) of the bilinear forms ``T_i = Wq_i Wk_i^T``: weight-only without
-    ``calibration``; with it (the ``(B, N, D)`` tokens the layer sees, or their ``TokenMoments``), of the forms
-    whitened by the tokens' statistics, keeping the logits on those tokens (docs/math.md, "Data-aware conversion").
-    ``key_dim`` may be an energy threshold in (0, 1] (of the whitened spectrum when calibrated). One layer has no
-    model output to guard against: :func:`reparametrize` measures the candidates on the model's outputs.
+    Exact at ``key_dim >= heads x head_dim`` (or None). Below, a Tucker decomposition of the bilinear forms
+    ``T_i = Wq_i Wk_i^T``: weight-only without ``calibration``; with it (the ``(B, N, D)`` tokens the layer sees, or
+    their ``TokenMoments``), of the forms whitened by the tokens' statistics, keeping the logits on those tokens
+    (docs/math.md, "Data-aware conversion"). One layer has no model output to guard against: :func:`reparametrize`
+    measures the candidates on the model's outputs.
     """
-    check_method(method)
+    refuse_removed(removed, "reparametrize_attention")
     if not isinstance(attn, Attention):  # before any weight is read
         raise not_convertible(attn, "not a timm Attention")
-    spec = as_spec(key_dim)
-    if isinstance(spec, (list, Budget)):
-        raise ValueError("reparametrize_attention takes one layer: an int, a threshold or None (lists and budgets "
-                         "are for reparametrize)")
+    spec = check_spec(key_dim)
+    if isinstance(spec, list):
+        raise ValueError("reparametrize_attention takes one layer: an int or None (lists are for reparametrize)")
     sides = None
     if calibration is not None:
         moments = calibration if isinstance(calibration, TokenMoments) else TokenMoments.of(calibration)
         if moments.dim != attn.qkv.in_features:
             raise ValueError(f"calibration tokens have D={moments.dim}, the layer has D={attn.qkv.in_features}")
         sides = whitening(moments)
-    full = attn.attn_dim
-    if isinstance(spec, float):
-        spectrum = energy_spectrum(*head_factors(attn))[0] if sides is None else whitened_spectrum(
-            *head_factors(attn), sides)
-        spec = key_dims(spec, [full], [spectrum])[0][0]
-    return fit_attention(attn, full if spec is None else spec, method, sides, seed=seed).layer
+    return fit_attention(attn, attn.attn_dim if spec is None else spec, "tucker", sides, seed=seed).layer
 
 
 def probe_input_size(model: nn.Module) -> tuple[int, int, int]:
@@ -110,47 +107,26 @@ def probe_input_size(model: nn.Module) -> tuple[int, int, int]:
     return tuple(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224)))
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-@torch.no_grad()
-def output_error(layer: nn.Module, original: nn.Module, tokens: torch.Tensor) -> float:
-    """``||layer(x) - original(x)|| / ||original(x)||`` on ``tokens`` (B, N, D), both in eval mode (their train/eval
-    flags are put back): the attention-output error of a converted layer (``LayerReport.output_error``)."""
-    device = next(layer.parameters()).device
-    was = layer.training, original.training
-    out, ref = layer.eval()(tokens.to(device)), original.eval()(tokens.to(device))
-    layer.train(was[0])
-    original.train(was[1])
-    return _relative(out, ref)
-
-
-def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "tucker",
-                  calibration: Optional[Calibration] = None, effort: str = "default", seed: int = 0,
-                  device: Union[None, str, torch.device] = None, progress: bool = True,
-                  return_report: bool = False) -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
+def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: Optional[Calibration] = None,
+                  effort: str = "default", seed: int = 0, device: Union[None, str, torch.device] = None,
+                  progress: bool = True, return_report: bool = False, **removed: Any
+                  ) -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
     """Replace every timm ``Attention`` of ``model`` (in place) by a ``CollaborativeAttention``; return ``model``.
 
     Args:
-        key_dim: int for every layer, a list (one per layer), an energy threshold in (0, 1] (per layer, section 3.1),
-            ``"budget=F"`` / ``Budget(F)``: a fraction ``F`` of the source's q/k parameters spread over the layers by
-            marginal gain (docs/math.md), or None (full rank, exact).
-        method: ``"tucker"`` (compress, then CP of the core), ``"cp"`` (ALS on the factored tensor) or ``"parafac"``
-            (the paper's procedure: tensorly's CP-ALS on the dense tensor).
+        key_dim: int for every layer, a list (one per layer), or None (full rank, exact). Each layer's bilinear
+            forms get a Tucker decomposition of that rank (section 3.3).
         calibration: unlabelled images (a (B, C, H, W) tensor, or batches: ``(images, labels)`` or images) in the
             model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-256) held out; the
             weight-only fit, the whitened closed form (rotary layers: also the strongest-pairs selection) and, by
             ``effort``, the better one refined layer by layer (``blockwise.py``) are measured on the held-out images
             as they are, by the KL of the outputs to the source's; the best whose win the held-out images resolve
             is kept, else weight-only. The refinement gains with the images (2048: RESULTS.md (b), issue 40).
-        effort: ``"fast"`` (closed forms only), ``"default"`` (the better one refined: every layer alone, 16
-            passes over the fitting images, its output error weighted by its effect on the model's output) or
-            ``"thorough"`` (the better one refined as a whole model: 160 passes over the images and 7 crops of
-            each, about 20 times the default's compute; better on one of three sources at D/16: RESULTS.md (b)).
+        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: every layer alone, 16
+            passes over the fitting images, its output error weighted by its effect on the model's output).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
-        device: move the model there first (the forward passes and the refinement run there; the decompositions on
-            the CPU).
+        device: move the model there first (the forward passes and the refinement run there, the token capture in
+            bfloat16 on CUDA; the decompositions on the CPU).
         progress: progress bars.
         return_report: return ``(model, report)``: a ``ConversionReport``, one ``LayerReport`` per layer, and its
             ``summary`` (candidates, which won, held-out KL).
@@ -159,12 +135,15 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
     nothing to fit there) and below it per frequency (``rotary_fit.py``: even key dims; the recipe's candidates with
     calibration). A model with an attention layer that cannot be converted
     (qk_norm, mixed rope, ...) is refused with one line before any work; one that fails half way is put back as it
-    was.
+    was. Removed arguments (``method``; budget and threshold key dims; ``effort="thorough"``) are refused with a line
+    naming what replaced them.
     """
+    refuse_removed(removed, "reparametrize")
+    spec = check_spec(key_dim)
     check_effort(effort)
     if device is not None:
         model.to(device)
-    report = convert_model(model, key_dim, method, calibration, effort, seed, progress, Recipe())
+    report = convert_model(model, spec, "tucker", calibration, effort, seed, progress, Recipe())
     return (model, report) if return_report else model
 
 
@@ -172,41 +151,37 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "t
 def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibration: Optional[Calibration],
                   effort: str, seed: int, progress: bool, recipe: Recipe, probe: Optional[torch.Tensor] = None
                   ) -> ConversionReport:
-    """:func:`reparametrize` with the inside options (``recipe``; ``probe``: the images of the weight-only output
-    error, default 2 random ones); returns the report."""
+    """:func:`reparametrize` with the inside options (``method``: ``"tucker"``, or the paper's ``"parafac"`` the tests
+    and benchmarks compare against; ``recipe``; ``probe``: the images of the weight-only output error, default 2
+    random ones); returns the report."""
     check_method(method)
     check_effort(effort)
     layers = timm_attention_layers(model)
     rotary = any(is_rotary(attn, model) for _, attn in layers)
-    if rotary and (calibration is None or as_spec(key_dim) is None):  # weight-only, per frequency (``rotary_fit.py``)
-        rows = convert_rotary(model, layers, key_dim, _probe(model, probe, seed), progress)
-        return ConversionReport([LayerReport(name, k, tensor, error, seconds) for name, k, tensor, error, seconds
-                                 in rows])
-    if calibration is None:
-        return _weight_only(model, layers, key_dim, method, probe, seed, progress, recipe.decomposition)
-    images = calibration_images(calibration, probe_input_size(model), recipe.max_images, recipe.batch_size)
+    if rotary:
+        only_rotary(model, layers)
+    dims = layer_dims(check_spec(key_dim), layers, even=rotary)
+    builder = ROTARY if rotary else STANDARD
+    if calibration is None or (rotary and key_dim is None):  # rotary at full rank: exact, nothing to calibrate
+        return _weight_only(model, layers, dims, (method, seed, builder), _probe(model, probe, seed), progress)
+    images = calibration_images(calibration, probe_input_size(model), recipe.batch_size)
     was_training = model.training
     model.eval()
     try:
         calls = None
         if rotary:  # the held-out images' calls, for the output errors (rotary layers take the rope)
-            only_rotary(model, layers)
             fit = split(images.shape[0], recipe.holdout)
             calls = layer_calls(model, layers, images[fit:] if fit < images.shape[0] else images)
-        fits, held, summary = calibrated(model, layers, key_dim, method, images, effort, seed, progress, recipe,
-                                         ROTARY if rotary else STANDARD)
+        fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe, builder)
     finally:
         model.train(was_training)
     where = f"{summary['images_held_out']} held-out calibration images" if summary["images_held_out"] \
         else "the fitting image (none held out)"
     reports = []
     for i, ((name, attn), fitted, tokens) in enumerate(zip(layers, fits, held)):
-        if calls is not None:  # rotary layers are called with the rope (``rotary.layer_calls``)
-            error = rotary_output_error(fitted.layer, attn, calls[i]) if calls[i] is not None else float("nan")
-        else:
-            error = output_error(fitted.layer, attn, tokens) if tokens is not None else float("nan")
-        reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, fitted.seconds, where,
-                                   summary["key_dims_from"]))
+        call = calls[i] if calls is not None else None if tokens is None else (tokens, {})
+        error = output_error(fitted.layer, attn, call) if call is not None else float("nan")
+        reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, fitted.seconds, where))
     return ConversionReport(reports, summary)
 
 
@@ -217,69 +192,18 @@ def _probe(model: nn.Module, probe: Optional[torch.Tensor], seed: int) -> torch.
     return torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(seed))
 
 
-def _weight_only(model: nn.Module, layers: list[tuple[str, Attention]], key_dim: KeyDimSpec, method: str,
-                 probe: Optional[torch.Tensor], seed: int, progress: bool, options: dict) -> ConversionReport:
-    """The weight-only conversion (thresholds and budgets read the weight spectra), output errors on the tokens of
-    ``probe`` images (default 2 random ones)."""
-    dims, dims_from = weight_dims(layers, as_spec(key_dim))
-    if dims_from != "given":
-        dims_from += " (weight spectra)"
-    probe = _probe(model, probe, seed)
-    device = next(model.parameters()).device
-    was_training = model.training
-    try:
-        _, held, _, _ = source_tokens(model.eval(), layers, probe.to(device), 0, probe.shape[0])
-    finally:
-        model.train(was_training)
+def _weight_only(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: list[int],
+                 how: tuple[str, int, Builder], probe: torch.Tensor, progress: bool) -> ConversionReport:
+    """The weight-only conversion at ``dims``: each layer by ``Builder.weight_only`` (``how``: the method and seed of a
+    standard layer's fit, and the builder: rotary layers per frequency, ``rotary_fit.weight_only``), its output error
+    on the call it gets on the ``probe`` images (``rotary.layer_calls``, read before any layer is swapped)."""
+    method, seed, builder = how
+    calls = layer_calls(model, layers, probe)
+    what = "rotary re-parametrisation (per frequency)" if builder is ROTARY else f"{method} re-parametrisation"
     reports = []
-    for (name, attn), rank, tokens in zip(tqdm(layers, desc=f"{method} re-parametrisation", disable=not progress),
-                                          dims, held):
-        fitted: LayerFit = fit_attention(attn, rank, method, None, seed=seed, **options)
-        error = output_error(fitted.layer, attn, tokens)
+    for (name, attn), rank, call in zip(tqdm(layers, desc=what, disable=not progress), dims, calls):
+        fitted = builder.weight_only(attn, rank, method, {"rope": call[1].get("rope")}, seed=seed)  # rotary
+        reports.append(LayerReport(name, rank, fitted.tensor_error, output_error(fitted.layer, attn, call),
+                                   fitted.seconds))
         replace_submodule(model, name, fitted.layer)
-        reports.append(LayerReport(name, rank, fitted.tensor_error, error, fitted.seconds,
-                                   key_dim_from=dims_from))
     return ConversionReport(reports)
-
-
-REMOVED = {  # options that lost in RESULTS.md (b) (which names the commit that still has them): one line each
-    "capture": ("sequential", "capture='sequential' was removed: within noise of the source tokens (RESULTS.md (b), "
-                "commit c2a1b61)"),
-    "refine_loss": ("attention-kl", "refine_loss other than 'model-kl' was removed: the layer-wise losses lost to it "
-                    "(RESULTS.md (b), commit c2a1b61)"),
-    "refine_values": (True, "refine_values was removed: no better, over-fits (RESULTS.md (b), commit c2a1b61)"),
-}
-LEGACY = ("max_iter", "tol", "dtype", "probe", "max_images", "holdout", "ridge", "refine_steps", "refine_lr",
-          "batch_size", "amp", "prefix_weight", "whiten", "calibration", "progress")
-
-
-def reparametrize_layers(model: nn.Module, key_dim: KeyDimSpec = None, method: str = "tucker", seed: int = 0,
-                         **options) -> ConversionReport:
-    """Deprecated (one release): ``reparametrize(model, ..., return_report=True)``. Returns the report.
-
-    The old keyword options still work and mean what they meant: with ``calibration``, the whitened closed form
-    (``whiten=False``: the weight-only fit; ``prefix_weight``, default 1), refined by ``refine_steps`` (default 0), no
-    candidates measured; ``capture``, layer-wise ``refine_loss`` and ``refine_values`` were removed (one-line
-    error)."""
-    warnings.warn("reparametrize_layers is deprecated: use collab_vit.reparametrize(model, key_dim, ..., "
-                  "return_report=True)", DeprecationWarning, stacklevel=2)
-    for name, (bad, why) in REMOVED.items():
-        value = options.pop(name, None)
-        if value is not None and value != {"capture": "source", "refine_loss": "model-kl",
-                                           "refine_values": False}[name]:
-            raise ValueError(why)
-    unknown = set(options) - set(LEGACY)
-    if unknown:
-        raise TypeError(f"reparametrize_layers got unexpected options {sorted(unknown)}")
-    steps = options.pop("refine_steps", None)
-    whiten, weight = options.pop("whiten", True), options.pop("prefix_weight", None)
-    calibration, progress = options.pop("calibration", None), options.pop("progress", True)
-    if calibration is None and steps:
-        raise ValueError("refine_steps needs calibration images")
-    recipe = Recipe(decomposition={k: options.pop(k) for k in ("max_iter", "tol", "dtype") if k in options},
-                    **{k: options.pop(k) for k in ("max_images", "holdout", "ridge", "refine_lr", "batch_size", "amp")
-                       if k in options})
-    if calibration is not None:  # the one recipe the old options named: the closed form (+ refinement)
-        recipe.candidates = (("whitened" if whiten else "weight") + ("+refine" if steps else ""),)
-        recipe.refine_steps, recipe.prefix_weight = steps or 0, 1.0 if weight is None else weight
-    return convert_model(model, key_dim, method, calibration, "default", seed, progress, recipe, options.get("probe"))

@@ -25,7 +25,6 @@ from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDin
 from torch import Tensor
 
 from ..layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
-from .budget import Budget, KeyDimSpec, as_spec, key_dims
 from ..layers.construction import QK_NORM, full_rank
 from .forms import is_eva_attention
 
@@ -130,25 +129,6 @@ def rotary_layer(attn: nn.Module, key_dim: Optional[int] = None) -> Collaborativ
     return layer
 
 
-def even_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> Optional[list[int]]:
-    """The given key dims of the rotary ``layers`` (``spec`` an int or a list; None for a threshold or budget, read
-    from the spectra later), each even; else a one-line refusal (before any weight is read: works on meta)."""
-    spec = as_spec(spec)
-    if isinstance(spec, (float, Budget)):
-        return None
-    dims, _ = key_dims(spec, [full_rank(attn) for _, attn in layers], [])
-    for (name, _), dim in zip(layers, dims):
-        if dim % 2:
-            raise ValueError(f"rotary attention needs an even key_dim (pairs of dims), got {dim} for {name}")
-    return dims
-
-
-def check_rotary_spec(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec) -> None:
-    """The one-line refusal of ``spec`` for a model with rotary layers (before any weight is read: works on meta)."""
-    if any(is_rotary(attn, model) for _, attn in layers):
-        even_dims(layers, spec)
-
-
 @torch.no_grad()
 def layer_calls(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor
                 ) -> list[tuple[Tensor, dict[str, Any]]]:
@@ -171,11 +151,3 @@ def layer_calls(model: nn.Module, layers: list[tuple[str, nn.Module]], images: T
     return calls
 
 
-@torch.no_grad()
-def output_error(layer: nn.Module, source: nn.Module, call: tuple[Tensor, dict[str, Any]]) -> float:
-    """``||layer(x) - source(x)|| / ||source(x)||`` on one recorded call (eval mode; train flags kept)."""
-    was = layer.training, source.training
-    out, ref = layer.eval()(call[0], **call[1]), source.eval()(call[0], **call[1])
-    layer.train(was[0])
-    source.train(was[1])
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

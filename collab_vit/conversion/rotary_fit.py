@@ -14,15 +14,14 @@ better is kept, so the error is non-increasing in ``R`` and never above keeping 
 The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "each head keeps its strongest pairs"
 spreads them by ``||T_ip||`` (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each
 frequency's fit at ``R_p`` starts from exactly that selection, so the fit contains it and never has a larger tensor
-error at equal q/k parameters. Its top-1 is another matter: at given key dims of at least ``LIGHT`` of the layer's
+error at equal q/k parameters. Its top-1 is another matter: at key dims of at least ``LIGHT`` of the layer's
 q/k dims the weight-only conversion is a selection (``weight_only``; ``LIGHT = 1``: never, issue 54), each head
 keeping the pairs that give its logits most under the layer's rope, as the recipe's ``"select"`` candidate does
 (``Frequencies.logit_energy``: a rotated key bias of a low frequency is nearly constant along a softmax row and
 cancels, which ``||T_ip||`` counts in full). The allocation that minimises the summed tensor error (dynamic
 programming, ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor
-error weighs every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose error stands for the
-logits' on the calibration tokens, takes the optimal allocation of its whitened error. ``budget=F`` spreads a total over the layers by
-``budget.allocate`` on each layer's spectrum (the kept energy at ``1..P H`` pairs), thresholds read the same spectrum.
+error weighs every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose
+error stands for the logits' on the calibration tokens, takes the optimal allocation of its whitened error.
 """
 from __future__ import annotations
 
@@ -30,23 +29,20 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..layers.construction import full_rank, replace_submodule
+from ..layers.construction import full_rank
 from ..layers.rotary import pair_angles
 import torch
 import torch.nn as nn
 from torch import Tensor
-from tqdm import tqdm
 
-from .budget import Budget, KeyDimSpec, allocate, as_spec
 from .calibration import TokenMoments, Whitening, whitener
-from .decompose import rank_for_energy
-from .fit import LayerFit
+from .fit import LayerFit, output_error
 from .recipe import Builder
-from .rotary import even_dims, is_rotary, layer_calls, output_error, projections, rotary_layer, rotary_like, \
+from .rotary import is_rotary, layer_calls, projections, rotary_layer, rotary_like, \
     shared_order
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
-LIGHT = 1.0  # given key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
+LIGHT = 1.0  # key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
 # pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. Issue 54 item 4 (results/rotary_ranking):
 # on a 15-epoch RoPE-ViT source the selection ranked by ``logit_energy`` was 0.21 below the fit at 56 of 64 q/k
 # dims and above it by 0.04 to 0.26 at 32 to 48, each inside its paired interval: no share where it reliably wins
@@ -229,7 +225,7 @@ class RotaryPlan:
     seconds: float
 
     def spectrum(self) -> Tensor:
-        """Normalised cumulative energy at ``1..P H`` shared pairs (``budget.allocate``, thresholds)."""
+        """Normalised cumulative energy at ``1..P H`` shared pairs (``collab-vit analyze``'s rotary spectra)."""
         return (1 - self.relative_error[1:] ** 2).clamp(0, 1)
 
 
@@ -336,16 +332,14 @@ def selection_fit(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) 
     return LayerFit(layer, key_dim, layer_error(attn, layer), None, time.perf_counter() - began)
 
 
-def weight_only(attn: nn.Module, key_dim: int, given: bool, planned: Optional[RotaryPlan] = None,
-                rope: Optional[Tensor] = None) -> LayerFit:
-    """The weight-only conversion of one rotary layer: at ``given`` key dims of at least ``LIGHT`` of its q/k dims
-    (below full rank) each head keeps its strongest pairs (``selection_fit``); else the per-frequency fit
-    (``fit_rotary``; thresholds and budgets: the fit whose spectra chose the key dims, so they keep what they
-    promise)."""
+def weight_only(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) -> LayerFit:
+    """The weight-only conversion of one rotary layer: at key dims of at least ``LIGHT`` of its q/k dims (below full
+    rank) each head keeps its strongest pairs under ``rope`` (``selection_fit``); else the per-frequency fit
+    (``fit_rotary``)."""
     full = full_rank(attn)
-    if given and LIGHT * full <= key_dim < full:
+    if LIGHT * full <= key_dim < full:
         return selection_fit(attn, key_dim, rope)
-    return fit_rotary(attn, key_dim, planned=planned)
+    return fit_rotary(attn, key_dim)
 
 
 def layer_error(attn: nn.Module, layer: nn.Module) -> float:
@@ -365,38 +359,6 @@ def layer_error(attn: nn.Module, layer: nn.Module) -> float:
     return (error / max(float(freqs.energy.sum()), 1e-300)) ** 0.5
 
 
-def spectrum_dims(spec: KeyDimSpec, plans: Sequence[RotaryPlan]) -> list[int]:
-    """Key dims from a threshold (each layer's spectrum) or a budget (``budget.allocate`` over the layers' spectra,
-    counted in pairs): twice the pairs."""
-    spectra = [p.spectrum() for p in plans]
-    if isinstance(spec, Budget):
-        return [2 * k for k in allocate(spec.total([s.numel() for s in spectra]), spectra)]
-    return [2 * rank_for_energy(s, spec) for s in spectra]
-
-
-def resolve_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec,
-                 sides: Optional[Sequence[tuple[Whitening, Whitening]]] = None) -> list[int]:
-    """One even key dim per rotary layer from ``spec``; thresholds and budgets read the per-frequency spectra (of
-    the factors whitened by ``sides``, when given)."""
-    return planned_dims(layers, spec, sides)[0]
-
-
-def planned_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec,
-                 sides: Optional[Sequence[tuple[Whitening, Whitening]]] = None
-                 ) -> tuple[list[int], Optional[list[RotaryPlan]]]:
-    """``resolve_dims`` and the per-frequency plans a threshold or budget read (None for given key dims), so that
-    the fits at those dims need not plan again (``fit_rotary(planned=)``)."""
-    spec = as_spec(spec)
-    given = even_dims(layers, spec)
-    if given is not None:
-        return given, None
-    freqs = [frequencies(attn) for _, attn in layers]
-    if sides is not None:
-        freqs = [whitened(f, s) for f, s in zip(freqs, sides)]
-    plans = [plan(f, allocation=allocation_for(sides)) for f in freqs]
-    return spectrum_dims(spec, plans), plans
-
-
 def allocation_for(sides: object) -> str:
     """Weight-only: the selection's allocation; whitened by the tokens: the optimal one for the whitened error (which
     stands for the logit error on those tokens, where the weights' Frobenius error does not: RESULTS.md, rotary)."""
@@ -404,17 +366,16 @@ def allocation_for(sides: object) -> str:
 
 
 def fit_rotary(attn: nn.Module, key_dim: int, sides: Optional[tuple[Whitening, Whitening]] = None,
-               max_iter: int = MAX_ITER, planned: Optional[RotaryPlan] = None) -> LayerFit:
+               max_iter: int = MAX_ITER) -> LayerFit:
     """``attn`` at ``key_dim``: exact at full rank or above, else the per-frequency fit (of the whitened factors when
-    ``sides``, ``allocation_for``; ``planned``: that plan, already made by ``planned_dims``); the tensor error of the
-    weights (and of the whitened factors)."""
+    ``sides``, ``allocation_for``); the tensor error of the weights (and of the whitened factors)."""
     began = time.perf_counter()
     full = full_rank(attn)
     if key_dim >= full:
         return LayerFit(rotary_layer(attn, key_dim), key_dim, 0.0, None if sides is None else 0.0,
                         time.perf_counter() - began)
     freqs = frequencies(attn)
-    fitted = planned or plan(freqs if sides is None else whitened(freqs, sides), max_iter, allocation_for(sides))
+    fitted = plan(freqs if sides is None else whitened(freqs, sides), max_iter, allocation_for(sides))
     layer = compressed_layer(attn, freqs, fitted.fits, fitted.ranks[key_dim // 2], sides)
     white = None if sides is None else float(fitted.relative_error[key_dim // 2])
     return LayerFit(layer, key_dim, layer_error(attn, layer), white, time.perf_counter() - began)
@@ -427,19 +388,6 @@ def rotary_sides(moments: TokenMoments, ridge: float, prefix_weight: float) -> t
         raise ValueError("no calibration tokens were seen")
     return (whitener(moments.weighted_query(prefix_weight), moments.tokens, ridge),
             whitener(moments.query, moments.tokens, ridge))
-
-
-def candidate_dims(layers: list[tuple[str, nn.Module]], spec: KeyDimSpec, moments: list, ridge: float,
-                   prefix_weight: float) -> tuple[dict[str, list[int]], str]:
-    """The recipe's key dims per start (``recipe.start_dims`` for rotary layers): weight spectra for the weight-only
-    start, whitened ones for the whitened start."""
-    spec = as_spec(spec)
-    by_weight = resolve_dims(layers, spec)
-    if not isinstance(spec, (float, Budget)):
-        return {"weight": by_weight, "whitened": by_weight}, "given"
-    sides = [rotary_sides(m, ridge, prefix_weight) for m in moments]
-    return ({"weight": by_weight, "whitened": resolve_dims(layers, spec, sides)},
-            "budget" if isinstance(spec, Budget) else "threshold")
 
 
 def candidate_fit(attn: nn.Module, key_dim: int, method: str, sides: Optional[tuple[Whitening, Whitening]] = None,
@@ -455,27 +403,10 @@ def only_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
         raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
 
 
-def convert_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]], spec: KeyDimSpec, probe: Tensor,
-                   progress: bool = True) -> list[tuple[str, int, float, float, float]]:
-    """Swap every rotary layer of ``model`` (in place) for its collaborative layer at the key dims of ``spec``
-    (weight-only), with a progress bar over the layers; ``(name, key dim, tensor error, output error on the
-    ``probe`` images' tokens, seconds)``."""
-    only_rotary(model, layers)
-    dims, plans = planned_dims(layers, spec)
-    rows = []
-    bar = tqdm(layers, desc="rotary re-parametrisation (per frequency)", disable=not progress)
-    for index, ((name, attn), dim, call) in enumerate(zip(bar, dims, layer_calls(model, layers, probe))):
-        fitted = weight_only(attn, dim, plans is None, None if plans is None else plans[index], call[1].get("rope"))
-        rows.append((name, dim, fitted.tensor_error, output_error(fitted.layer, attn, call), fitted.seconds))
-        replace_submodule(model, name, fitted.layer)
-    return rows
-
-
 def layer_ropes(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor) -> list[dict[str, Tensor]]:
     """The rope each layer is called with on the first of ``images`` (``Builder.calls``: it ranks the selection)."""
     return [{"rope": call[1].get("rope")} for call in layer_calls(model, layers, images[:1])]
 
 
 # the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
-ROTARY = Builder(candidate_dims, rotary_sides, candidate_fit, layer_error, (("select", selection_fit),), weight_only,
-                 layer_ropes)
+ROTARY = Builder(rotary_sides, candidate_fit, layer_error, (("select", selection_fit),), weight_only, layer_ropes)

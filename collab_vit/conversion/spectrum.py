@@ -34,7 +34,6 @@ __all__ = [
     "LayerSpectrum",
     "layer_spectra",
     "suggest_key_dim",
-    "suggest_budget",
     "format_spectrum_table",
     "plot_spectra",
 ]
@@ -164,15 +163,6 @@ def suggest_key_dim(spectra: list[LayerSpectrum], threshold: float = 0.95, multi
         raise ValueError("spectra is empty")
     need = max(_dims_at(s, threshold) for s in spectra)
     return math.ceil(need / multiple_of) * multiple_of
-
-
-def suggest_budget(spectra: list[LayerSpectrum], threshold: float = 0.95) -> str:
-    """``budget=F`` (``budget.Budget``): the dims ``threshold`` keeps per layer, summed, as a fraction of all layers'
-    dims (rounded up to 0.01); spread by marginal gain it keeps at least that summed energy (docs/math.md)."""
-    if not spectra:
-        raise ValueError("spectra is empty")
-    need = sum(_dims_at(s, threshold) for s in spectra)
-    return f"budget={math.ceil(100 * need / sum(s.total_dims for s in spectra)) / 100:g}"
 
 
 def format_spectrum_table(spectra: list[LayerSpectrum]) -> str:

@@ -38,7 +38,8 @@ and eq. 5 written out):
 * ``sdpa``: ``folded_sdpa``, the content bias folded into the product (``sdpa_layout.folded_layout``), through
   ``fused_attend``: ``F.scaled_dot_product_attention`` with torch's kernel choice; one function on every device (the
   CPU tests force it). On CPU ``fused_attend`` zero-pads the head dims to equal width (``equal_head_dims``, exact), as
-  torch's CPU flash kernel needs them.
+  torch's CPU flash kernel needs them; elsewhere the query/key width to a multiple of 8 (``sdpa_layout.aligned``), as
+  CUDA's fused kernels need it under 16-bit inputs (the folded layout and the rotary layer arrive aligned).
 * ``explicit``: eq. 5 written out (timm's ``Attention`` without ``fused_attn``); differentiable to any order,
   traceable, exportable.
 
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 from timm.models import register_notrace_function
 
 from .attention_core import CollaborativeCore, content_mask, equal_head_dims, explicit_attend, explicit_collaborative
-from .sdpa_layout import folded_layout, head_queries, shared_keys
+from .sdpa_layout import aligned, folded_layout, head_queries, shared_keys
 
 
 class Path(enum.Enum):
@@ -90,7 +91,10 @@ def select_path(device_type: str, fused: bool, dropout_p: float, capturing: bool
 @register_notrace_function
 def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attn_mask: Optional[torch.Tensor],
                  is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """``scaled_dot_product_attention``; on CPU head dims zero-padded to equal width for torch's flash kernel (exact).
+    """``scaled_dot_product_attention``, head dims zero-padded (exact): on CPU to equal width for torch's flash
+    kernel, elsewhere the query/key width to a multiple of ``sdpa_layout.ALIGN`` (``aligned``), which CUDA's fused
+    kernels need under 16-bit inputs (else SDPA silently takes its math kernel). The collaborative layers hand it
+    widths already aligned, so their stride-0 shared keys stay a view.
 
     A float mask is cast to q's dtype (SDPA refuses a float32 mask on bfloat16 queries).
     """
@@ -99,6 +103,8 @@ def fused_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     value_dim = v.shape[-1]
     if q.device.type == "cpu":
         q, k, v = equal_head_dims(q, k, v)
+    else:
+        q, k = aligned(q), aligned(k)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     return out[..., :value_dim]

@@ -30,6 +30,7 @@ from timm.models import register_notrace_function
 
 from .attention import CollaborativeAttention, MIXING_INITS, MixingInit, attend, check_layer_args, head_blocks
 from .attention_core import logits as head_logits
+from .sdpa_layout import aligned
 
 
 def check_rope_args(dim: int, num_heads: int, key_dim: int, dim_out: Optional[int], attn_head_dim: Optional[int],
@@ -139,20 +140,26 @@ class CollaborativeAttentionRope(CollaborativeAttention):
         else:
             nn.init.normal_(self.mixing, std=math.sqrt(self.head_dim / (2 * self.key_dim)))
 
-    def rotated(self, x: torch.Tensor, rope: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every head's mixed rotated queries (B, Nh, N, D~k) and the rotated shared keys (B, N, D~k)."""
+    def rotated(self, x: torch.Tensor, rope: Optional[torch.Tensor],
+                pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's mixed rotated queries (B, Nh, N, W) and the rotated shared keys (B, N, W): ``W = D~k``, or
+        with ``pad`` zero pairs up to a multiple of ``sdpa_layout.ALIGN`` (``aligned``, exact), the width SDPA's fused
+        CUDA kernels take (the standard layer's ``folded_layout`` pads the same way)."""
         q, k = self.query(x), self.key(x)
         if rope is not None:
             sin, cos = pair_angles(rope, self.pair_freq, self.rotate_half, self.head_dim)
             q = rotate(q, sin, cos, self.num_prefix_tokens)
             k = rotate(k, sin, cos, self.num_prefix_tokens)
-        return complex_mix(q, self.mixing), k
+        mixing = self.mixing
+        if pad:
+            q, mixing, k = aligned(q), aligned(mixing), aligned(k)
+        return complex_mix(q, mixing), k
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         B, N, C = x.shape
         v = self.value(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        queries, k = self.rotated(x, rope)
+        queries, k = self.rotated(x, rope, pad=self.fused_attn)
         keys = k.to(v.dtype).unsqueeze(1).expand(-1, self.num_heads, -1, -1)  # one view, shared by all heads
         dropout_p = self.attn_drop.p if self.training else 0.
         out = attend(queries.to(v.dtype), keys, v, self.scale, attn_mask, is_causal, dropout_p, self.fused_attn)

@@ -7,7 +7,8 @@ Nh ones, each mixing vector ``m_i`` by the one-hot ``e_i`` and the shared keys b
 
 so head i is ordinary attention with queries ``q' diag(m'_i)``, keys ``k'`` shared by all heads (an expanded, stride-0
 view) and the layer's scale passed explicitly: no additive mask (whose gradient would make a fused kernel allocate a
-(B, Nh, N, N) buffer), widths zero-padded to a multiple of ``ALIGN`` (zero columns add nothing). ``dispatch.folded_sdpa``
+(B, Nh, N, N) buffer), widths zero-padded to a multiple of ``ALIGN`` (``aligned``; zero columns add nothing). The
+rotary layer pads its shared queries, keys and mixing with the same ``aligned``. ``dispatch.folded_sdpa``
 hands it to SDPA, whose kernel is torch's choice.
 """
 
@@ -32,10 +33,14 @@ def folded_layout(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, conten
         q = torch.cat([q, q.new_ones(B, N, heads)], dim=-1)
         m = torch.cat([m, torch.eye(heads, dtype=q.dtype, device=q.device)], dim=-1)
         k = torch.cat([k, content.to(q.dtype)], dim=-1)
-    pad = (align - q.shape[-1] % align) % align
-    if pad > 0:
-        q, m, k = F.pad(q, (0, pad)), F.pad(m, (0, pad)), F.pad(k, (0, pad))
-    return q, m, k
+    return aligned(q, align), aligned(m, align), aligned(k, align)
+
+
+def aligned(x: torch.Tensor, align: int = ALIGN) -> torch.Tensor:
+    """``x`` with its last dim zero-padded to a multiple of ``align`` (itself when it already is one): the width a
+    fused CUDA kernel takes. Exact for queries, keys and mixing alike: zero columns add nothing to the logits."""
+    pad = (align - x.shape[-1] % align) % align
+    return F.pad(x, (0, pad)) if pad else x
 
 
 def head_queries(q_ext: torch.Tensor, m_ext: torch.Tensor) -> torch.Tensor:

@@ -2,14 +2,8 @@
 converted on load), the optimizer, the EMA, loss, schedule and loaders, gathered in :class:`Run`, which the trainer's
 loop passes. :func:`build_model` and :func:`fit_state` serve evaluation too.
 
-The optimizer is timm's ``create_optimizer_v2`` with its param groups and an lr multiplier for the mixing matrices.
-Why a multiplier (``docs/math.md``, "A learning rate for the mixing"): under Adam(W) every parameter moves by about
-the learning rate per update, whatever its scale. The mixing entries start at order one (concatenate init: 1;
-random init: std ``sqrt(head_dim / key_dim)``) while the shared projections start at timm's std 0.02, so at one lr
-the projections are rewritten while the mixing barely leaves its init. ``mixing_lr_scale`` multiplies the lr of
-every ``*.mixing`` parameter through the param group's ``lr_scale``, which timm's schedulers honour and which
-composes with ``layer_decay`` (the layer's own scale times this one). 1.0 (the default) leaves timm's groups as they
-are.
+The optimizer is timm's ``create_optimizer_v2`` with its param groups (an lr multiplier for the mixing matrices was
+measured inconclusive and removed: RESULTS.md, issue 54).
 """
 from __future__ import annotations
 
@@ -25,13 +19,12 @@ import timm
 import torch
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.models import parse_model_name
-from timm.optim import create_optimizer_v2, param_groups_layer_decay, param_groups_weight_decay
+from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from timm.utils import ModelEmaV3, NativeScaler
+from timm.utils import ModelEmaV3, NativeScaler, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
-from ..checks import positive_real
 from ..conversion.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, check_fit, model_pipeline, one_line, read_weights
@@ -69,8 +62,8 @@ class Run:
 
     @property
     def unwrapped(self) -> torch.nn.Module:
-        """The model without its DDP wrapper."""
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        """The model without its DDP and ``torch.compile`` wrappers (timm's ``unwrap_model``): plain parameter names."""
+        return unwrap_model(self.model)
 
     @property
     def updates_per_epoch(self) -> int:
@@ -146,23 +139,26 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.opt
     """timm's groups: no decay for 1-D params and model.no_weight_decay() (which names the mixing matrices)."""
     opt_kwargs = {} if cfg.opt.lower().endswith(('sgd', 'momentum')) else {'eps': cfg.opt_eps}
     return build_optimizer(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                           layer_decay=cfg.layer_decay or None, mixing_lr_scale=cfg.mixing_lr_scale, **opt_kwargs)
+                           layer_decay=cfg.layer_decay or None, **opt_kwargs)
 
 
 def _wrap(cfg: TrainConfig, model: torch.nn.Module, dist_info: DistInfo, ckpt: Optional[Dict[str, Any]],
           ckpt_path: str) -> Tuple[torch.nn.Module, Optional[ModelEmaV3]]:
     """DDP (which broadcasts rank 0's weights and buffers: every rank then trains from them), then the EMA, from the
-    weights each rank trains (with ``ckpt``'s EMA weights when resuming)."""
+    weights each rank trains (with ``ckpt``'s EMA weights when resuming), then ``torch.compile`` (``torchcompile``),
+    in timm's train.py's order: the EMA, checkpoints and exports hold the plain model."""
     if dist_info.distributed:
         device = dist_info.device
         model = DistributedDataParallel(model, device_ids=[dist_info.local_rank] if device.type == 'cuda' else None)
-    if not cfg.model_ema:
-        return model, None
-    inner = model.module if dist_info.distributed else model
-    model_ema = ModelEmaV3(inner, decay=cfg.model_ema_decay, device='cpu' if cfg.model_ema_force_cpu else None)
-    if ckpt is not None and ckpt.get('model_ema') is not None:
-        ema = model_ema.module
-        ema.load_state_dict(fit_state(ema, ckpt['model_ema'], ckpt_path + ' (EMA)'))
+    model_ema = None
+    if cfg.model_ema:
+        inner = model.module if dist_info.distributed else model
+        model_ema = ModelEmaV3(inner, decay=cfg.model_ema_decay, device='cpu' if cfg.model_ema_force_cpu else None)
+        if ckpt is not None and ckpt.get('model_ema') is not None:
+            ema = model_ema.module
+            ema.load_state_dict(fit_state(ema, ckpt['model_ema'], ckpt_path + ' (EMA)'))
+    if cfg.torchcompile:
+        model = torch.compile(model, backend=cfg.torchcompile)
     return model, model_ema
 
 
@@ -316,38 +312,8 @@ def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False, allow
     return meta
 
 
-def mixing_param_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float | None,
-                        mixing_lr_scale: float) -> list[dict]:
-    """timm's param groups (weight decay, optional layer decay), each split into its mixing and other parameters;
-    the mixing part gets ``lr_scale`` times ``mixing_lr_scale``."""
-    no_decay = set(model.no_weight_decay()) if hasattr(model, 'no_weight_decay') else set()
-    if layer_decay:
-        groups = param_groups_layer_decay(model, weight_decay=weight_decay, no_weight_decay_list=no_decay,
-                                          layer_decay=layer_decay)
-    else:
-        groups = param_groups_weight_decay(model, weight_decay=weight_decay, no_weight_decay_list=no_decay)
-    mixing_ids = {id(p) for name, p in model.named_parameters() if name.endswith('.mixing')}
-    split = []
-    for group in groups:
-        params = list(group['params'])
-        for is_mixing in (False, True):
-            part = [p for p in params if (id(p) in mixing_ids) == is_mixing]
-            if not part:
-                continue
-            new = {**group, 'params': part}
-            if is_mixing:
-                new['lr_scale'] = group.get('lr_scale', 1.0) * mixing_lr_scale
-            split.append(new)
-    return split
-
-
 def build_optimizer(model: torch.nn.Module, opt: str, lr: float, weight_decay: float, momentum: float,
-                    layer_decay: float | None, mixing_lr_scale: float = 1.0, **opt_kwargs) -> torch.optim.Optimizer:
-    """``create_optimizer_v2`` on the model (timm's own groups) or, with ``mixing_lr_scale != 1``, on
-    ``mixing_param_groups``."""
-    positive_real(mixing_lr_scale, 'mixing_lr_scale')
-    if mixing_lr_scale == 1.0:
-        return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                   layer_decay=layer_decay, **opt_kwargs)
-    groups = mixing_param_groups(model, weight_decay, layer_decay, mixing_lr_scale)
-    return create_optimizer_v2(groups, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum, **opt_kwargs)
+                    layer_decay: float | None, **opt_kwargs) -> torch.optim.Optimizer:
+    """``create_optimizer_v2`` on the model: timm's own groups."""
+    return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                               layer_decay=layer_decay, **opt_kwargs)

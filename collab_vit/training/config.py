@@ -72,6 +72,8 @@ class TrainConfig:
     img_size: int = setting(224, 'input image size in pixels (square)')
     in_chans: int = setting(3, 'image channels (1 for grayscale data such as Fashion-MNIST)')
     drop_path: float = setting(0.1, 'stochastic depth rate')
+    torchcompile: str = setting('', "torch.compile the model with this backend, as timm's train.py (the flag alone: "
+                                    "inductor); '' = eager")
     checkpoint: str = setting('', 'initial weights: a training checkpoint, .safetensors export, timm/DeiT .pth or a '
                                   'save_pretrained folder (fine-tuning)')
     data_dir: str = setting('', 'dataset root (ImageFolder with train/ and val/, tar files, WebDataset shards, ...)')
@@ -118,8 +120,6 @@ class TrainConfig:
     weight_decay: float = setting(0.05, 'weight decay (none on norms, biases, position embedding, class token, mixing '
                                         'matrices)')
     layer_decay: float = setting(0.0, 'layer-wise learning-rate decay (e.g. 0.65 for fine-tuning); 0 disables')
-    mixing_lr_scale: float = setting(1.0, 'learning-rate multiplier of the mixing matrices (param-group lr_scale; '
-                                          "composes with layer_decay); 1 leaves timm's groups unchanged")
     opt_eps: float = setting(1e-8, 'optimizer epsilon')
     momentum: float = setting(0.9, 'SGD momentum')
     clip_grad: float = setting(0.0, 'gradient clipping threshold; 0 disables')
@@ -164,6 +164,24 @@ class TrainConfig:
 
 
 FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# keys that left the config (issue 54), their old default (a saved run config still holds it: read as nothing) and the
+# one line any other value, or the flag, answers with
+REMOVED_KEYS: Dict[str, Tuple[Any, str]] = {
+    'mixing_lr_scale': (1.0, "mixing_lr_scale was removed (its one measurement was inconclusive: RESULTS.md, "
+                             "issue 21): drop it; the mixing matrices train at the run's lr in timm's param groups"),
+}
+
+
+def _removed(key: str, value: Any) -> bool:
+    """Whether ``key`` left the config: True for its old default (skipped), a ConfigError naming what replaced it for
+    any other value."""
+    if key not in REMOVED_KEYS:
+        return False
+    default, why = REMOVED_KEYS[key]
+    if value != default:
+        raise ConfigError(why)
+    return True
 
 
 def _default(name: str) -> Any:
@@ -239,6 +257,8 @@ def read_yaml(path: str, _seen: Tuple[str, ...] = ()) -> Dict[str, Any]:
     if base:
         merged = read_yaml(os.path.join(os.path.dirname(path), base), _seen + (path,))
     for key, value in data.items():
+        if _removed(key, value):
+            continue
         _check_key(key, path)
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             value = {**merged[key], **value}  # model_kwargs and the like merge with the base
@@ -257,6 +277,8 @@ def build_config(path: Optional[str] = None, overrides: Optional[Dict[str, Any]]
                           f'{getattr(e, "problem", None) or type(e).__name__}') from None
     where = {key: path for key in values}
     for key, value in (overrides or {}).items():
+        if _removed(key, value):
+            continue
         _check_key(key, 'overrides')
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             value = {**values[key], **value}
@@ -281,7 +303,7 @@ RANGES: Tuple[Tuple[str, float, Optional[float], bool], ...] = (
     ('hflip', 0.0, 1.0, False), ('mixup', 0.0, None, False), ('cutmix', 0.0, None, False),
     ('mixup_prob', 0.0, 1.0, False), ('crop_pct', 0.0, None, True), ('model_ema_decay', 0.0, 1.0, False),
     ('repeated_aug', 0, None, False), ('checkpoint_every', 0, None, False), ('eval_every', 0, None, False),
-    ('stop_after', 0, None, False), ('max_nonfinite_skips', 1, None, False), ('mixing_lr_scale', 0.0, None, True),
+    ('stop_after', 0, None, False), ('max_nonfinite_skips', 1, None, False),
 )
 
 
@@ -294,6 +316,15 @@ def check_key_dim_value(value: Any, where: str) -> None:
                           f"or a list of them, one per block)")
 
 
+def check_compile_backend(backend: str, where: str) -> None:
+    """``torchcompile``: a backend ``torch.compile`` knows (``torch._dynamo.list_backends``, debug ones included)."""
+    import torch._dynamo  # noqa: PLC0415  (only when compiling: the import takes a second)
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(f"bad value {backend!r} for 'torchcompile' in {where} (expected a torch.compile backend: "
+                          f"{', '.join(b for b in known if 'TESTING' not in b)})")
+
+
 def check_values(cfg: TrainConfig, where: str) -> None:
     """Range checks of a typed config: one ConfigError naming the key, its value and the allowed range."""
     for key, low, high, open_low in RANGES:
@@ -304,6 +335,8 @@ def check_values(cfg: TrainConfig, where: str) -> None:
             raise ConfigError(f"bad value {value!r} for '{key}' in {where} (expected a number {bound})")
     if cfg.amp_dtype not in ('bfloat16', 'bf16', 'float16', 'fp16'):
         raise ConfigError(f"bad value {cfg.amp_dtype!r} for 'amp_dtype' in {where} (expected bfloat16 or float16)")
+    if cfg.torchcompile:
+        check_compile_backend(cfg.torchcompile, where)
     if 'key_dim' in cfg.model_kwargs:
         check_key_dim_value(cfg.model_kwargs['key_dim'], where)
 
@@ -315,12 +348,12 @@ def save_config(cfg: TrainConfig, path: str) -> None:
 
 
 GROUPS_KEYS: Dict[str, str] = {  # the --help groups, as in timm's train.py
-    'model': 'model model_kwargs num_classes img_size in_chans drop_path checkpoint',
+    'model': 'model model_kwargs num_classes img_size in_chans drop_path torchcompile checkpoint',
     'data': 'data_dir dataset train_split val_split dataset_download mean std num_workers pin_memory '
             'persistent_workers skip_bad_images',
     'augmentation': 'aa reprob remode recount hflip color_jitter scale train_interpolation crop_pct mixup cutmix '
                     'mixup_prob mixup_switch_prob mixup_mode smoothing repeated_aug',
-    'optimizer': 'epochs batch_size accum_steps opt lr lr_base_batch weight_decay layer_decay mixing_lr_scale opt_eps '
+    'optimizer': 'epochs batch_size accum_steps opt lr lr_base_batch weight_decay layer_decay opt_eps '
                  'momentum clip_grad clip_mode skip_nonfinite_loss max_nonfinite_skips',
     'scheduler': 'sched warmup_epochs warmup_lr min_lr sched_on_updates',
     'EMA': 'model_ema model_ema_decay model_ema_force_cpu',
@@ -339,6 +372,7 @@ ALIASES: Dict[str, str] = {
     'data': 'data_dir', 'drop_path_rate': 'drop_path', 'interpolation': 'train_interpolation',
 }
 SHORT: Dict[str, str] = {'-j': 'num_workers', '-b': 'batch_size'}
+BARE: Dict[str, str] = {'torchcompile': 'inductor'}  # the value of a flag given alone (timm's --torchcompile)
 
 
 def _dash(key: str) -> str:
@@ -383,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(*names, dest=key, nargs='*', metavar=metavar, default=argparse.SUPPRESS, help=text)
             else:
                 group.add_argument(*names, dest=key, metavar=type(default).__name__.upper(),
+                                   nargs='?' if key in BARE else None, const=BARE.get(key),
                                    default=argparse.SUPPRESS, help=text)
     return parser
 
@@ -400,6 +435,8 @@ def _normalise(argv: Sequence[str]) -> List[str]:
 
 def _unknown(flag: str) -> ConfigError:
     key = flag.lstrip('-').partition('=')[0].replace('-', '_')
+    if key in REMOVED_KEYS:
+        return ConfigError(REMOVED_KEYS[key][1])
     close = difflib.get_close_matches(key, list(FIELDS) + list(ALIASES), n=1)
     hint = f"; did you mean '{ALIASES.get(close[0], close[0])}'?" if close else ''
     return ConfigError(f"unknown config key '{key}' in command-line flags{hint}")

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
-from torch.nn.parallel import DistributedDataParallel
+from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, unwrap_model
 from tqdm import tqdm
 
 from .config import DataError
@@ -135,8 +134,7 @@ def _backward_and_step(model, loss: torch.Tensor, parts: StepParts, window: int,
 def _after_update(model, parts: StepParts, num_updates: int) -> None:
     parts.optimizer.zero_grad(set_to_none=True)
     if parts.model_ema is not None:  # kept on the CPU (model_ema_force_cpu): a device-to-host copy per update
-        parts.model_ema.update(model.module if isinstance(model, DistributedDataParallel) else model,
-                               step=num_updates)
+        parts.model_ema.update(unwrap_model(model), step=num_updates)  # DDP and torch.compile off
     if parts.scheduler is not None and parts.sched_on_updates:
         parts.scheduler.step_update(num_updates=num_updates)
 

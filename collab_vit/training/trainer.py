@@ -163,6 +163,8 @@ def _log_start(run: Run) -> None:
     log.info(f'{cfg.model} (key dim {_key_dim(run)}, {num_params / 1e6:.2f}M params) on {dist_info.world_size} x '
              f'{dist_info.device.type}: {len(run.train_loader.dataset)} train / {len(run.val_loader.dataset)} val '
              f'images, global batch {global_batch}, lr {lr:.3g}, {cfg.epochs} epoch{"s" if cfg.epochs != 1 else ""}')
+    if cfg.torchcompile:
+        log.info(f'torch.compile (backend {cfg.torchcompile}): the first steps of training and of evaluation compile')
 
 
 def _restore_rng(run: Run, rng_states: Optional[list]) -> None:
