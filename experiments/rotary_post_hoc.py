@@ -69,7 +69,8 @@ def swap(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent), child, layer)
 
 
-selection_layer = rotary_fit.selection_layer  # the package's: the recipe's "select" start on rotary layers
+selection_layer = rotary_fit.selection_layer  # without a rope: ranked by ||T_ip||, as the recipe's "select" start
+# was before issue 54 (experiments/rotary_ranking.py compares the rankings)
 
 
 def per_frequency(attn: torch.nn.Module, key_dim: int, variant: str) -> torch.nn.Module:

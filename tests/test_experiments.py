@@ -155,3 +155,28 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     from collab_vit.conversion.recipe import DEFAULT_IMAGES, PASSES
 
     assert sum(f"| {DEFAULT_IMAGES} | {PASSES['default']} |" in r for r in rows) == 2
+
+
+def test_rotary_ranking(tiny_fashion_mnist, tmp_path):
+    """experiments/rotary_ranking.py (issue 54 item 4) on two inits of rope_long.yaml's model: each variant's cell
+    with its per-image outcomes, the table with paired intervals and the rule chosen leaving each source out."""
+    import torch
+    from collab_vit.training.build import build_model
+    from collab_vit.training.config import build_config
+
+    cfg = build_config(os.path.join(ROOT, 'configs', 'fmnist', 'rope_long.yaml'))
+    results = tmp_path / 'ranking'
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = build_model(cfg.model, cfg.num_classes, cfg.img_size, 0.0, {**cfg.model_kwargs, 'in_chans': 1})
+        torch.save(model.state_dict(), tmp_path / f'source{seed}.pth')
+        run('rotary_ranking.py', 'grid', '--source', tmp_path / f'source{seed}.pth', '--name', f's{seed}',
+            '--data-dir', tiny_fashion_mnist, '--results', results, '--key-dims', '48', '16', '--images', '8')
+        for variant in ('fit', 'norm', 'weights', 'logit', 'data'):
+            row = json.loads((results / f's{seed}' / f'{variant}_k48.json').read_text())
+            assert row['test_images'] == 100 and 0 <= row['top1'] <= 100 and len(row['right']) == 26  # 100 bits
+    out = run('rotary_ranking.py', 'choose', '--results', results)
+    assert out.count('| s1 |') == 3 and out.count('| s2 |') == 3  # two q/k dims and the rule, each source
+    rule = json.loads((results / 'rule.json').read_text())
+    assert set(rule['left_out']) == {'s1', 's2'} and rule['all'] in (0.25, 0.75, 1.0)
+    assert (results / 'table.md').read_text() == out

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn as nn
 from timm.layers import AttentionRope
 from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
+from torch import Tensor
 
 import collab_vit
 import vit_family
@@ -43,11 +45,12 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def selection_error(attn: nn.Module, pairs_per_head: int) -> float:
-    """The tensor error of the baseline: each head keeps its ``pairs_per_head`` pairs of largest
-    ``||Wq pair|| ||Wk pair||`` (= ``||T_ip||``) and drops the rest."""
+def selection_error(attn: nn.Module, pairs_per_head: int, score: Optional[Tensor] = None) -> float:
+    """The tensor error of the baseline: each head keeps its ``pairs_per_head`` pairs of largest ``score`` (P, H)
+    (default ``||Wq pair|| ||Wk pair||`` = ``||T_ip||``) and drops the rest."""
     energy = rotary_fit.frequencies(attn).energy  # (P, H)
-    kept = energy.sort(dim=0, descending=True).values[:pairs_per_head].sum()
+    top = (energy if score is None else score).argsort(dim=0, descending=True, stable=True)[:pairs_per_head]
+    kept = energy.gather(0, top).sum()
     return float(((energy.sum() - kept) / energy.sum()).sqrt())
 
 
@@ -142,22 +145,24 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
     converted = copy.deepcopy(model)
     report = collab_vit.conversion.reparam.convert_model(converted, 8, "tucker", images, "fast", 0, False, recipe)
     assert report.summary["chosen"] == "select" and report.summary["candidate_key_dims"]["select"] == [8, 8]
-    by_hand = copy.deepcopy(model)
-    for block in by_hand.blocks:
-        block.attn = rotary_fit.selection_layer(block.attn, 8)
+    by_hand = selected(model, 8)  # ranked under each layer's rope
     x = vit_family.images(3, seed=5)
     assert torch.equal(converted(x), by_hand(x))
-    assert report[0].tensor_error == pytest.approx(selection_error(model.blocks[0].attn, 1), rel=1e-5)  # 1 pair/head
+    attn = model.blocks[0].attn
+    rope = rotary_fit.layer_ropes(model, [("blocks.0.attn", attn)], x)[0]["rope"]
+    score = rotary_fit.frequencies(attn).logit_energy(rotary_fit.rope_row_mean(attn, rope))
+    assert report[0].tensor_error == pytest.approx(selection_error(attn, 1, score), rel=1e-5)  # 1 pair/head
     full = rotary_fit.selection_fit(model.blocks[0].attn, rotary_fit.full_rank(model.blocks[0].attn))
     assert full.tensor_error < 1e-6
 
 
 def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) -> None:
-    """At light compression the weight-only fit is the selection (``rotary_fit.weight_only``): the recipe scores that
-    model once on the held-out images and both candidates carry its scores (the whitened fit, another model, is
-    scored); the model kept is the one scored."""
+    """Where the weight-only fit is the selection (``rotary_fit.weight_only`` with ``LIGHT`` at half; the package's
+    ``LIGHT = 1`` never takes it since issue 54) the recipe scores that model once on the held-out images and both
+    candidates carry its scores (the whitened fit, another model, is scored); the model kept is the one scored."""
     from collab_vit.conversion import recipe as recipe_module
 
+    monkeypatch.setattr(rotary_fit, "LIGHT", 0.5)
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
@@ -195,26 +200,96 @@ def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
         rotary_fit.plan(freqs, allocation="dp")
 
 
-def test_weight_only_keeps_the_selection_at_light_compression(tmp_path: Path) -> None:
-    """Issue 40 item 4: at given key dims of at least half a layer's q/k dims the weight-only conversion is each head
-    keeping its strongest pairs (``selection_layer``, to the bit), below half the per-frequency fit; the calibrated
-    recipe's weight-only candidate is the weight-only conversion in both regimes."""
+def fitted(model: nn.Module, key_dim: int) -> nn.Module:
+    """A copy of ``model`` with every layer's per-frequency fit at ``key_dim``."""
+    by_hand = copy.deepcopy(model)
+    for block in by_hand.blocks:
+        block.attn = rotary_fit.fit_rotary(block.attn, key_dim).layer
+    return by_hand
+
+
+def selected(model: nn.Module, key_dim: int) -> nn.Module:
+    """A copy of ``model`` whose heads each keep their strongest pairs under the rope each layer is called with."""
+    layers = collab_vit.conversion.reparam.timm_attention_layers(model)
+    ropes = rotary_fit.layer_ropes(model, layers, vit_family.images(1, seed=0))
+    by_hand = copy.deepcopy(model)
+    for block, keywords in zip(by_hand.blocks, ropes):
+        block.attn = rotary_fit.selection_layer(block.attn, key_dim, keywords["rope"])
+    return by_hand
+
+
+def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path, monkeypatch) -> None:
+    """Issue 54 item 4 (``LIGHT = 1``): at every key dim below full rank the weight-only conversion is the
+    per-frequency fit, not each head keeping its strongest pairs (``selection_layer``, ranked under each layer's rope,
+    which it was from half the q/k dims before, issue 40, and is again with ``LIGHT`` at half); the calibrated
+    recipe's weight-only candidate is the weight-only conversion."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     full = rotary_fit.full_rank(model.blocks[0].attn)
     x, images = vit_family.images(3, seed=5), vit_family.images(24, seed=3)
     for key_dim in (full // 2, 3 * full // 4, full // 4):
         converted = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
-        by_hand = copy.deepcopy(model)
-        for block in by_hand.blocks:
-            block.attn = rotary_fit.selection_layer(block.attn, key_dim)
-        assert torch.equal(converted(x), by_hand(x)) == (key_dim >= full // 2)
+        by_hand = fitted(model, key_dim)
+        assert torch.equal(converted(x), by_hand(x)) and not torch.equal(converted(x), selected(model, key_dim)(x))
+        with monkeypatch.context() as patched:
+            patched.setattr(rotary_fit, "LIGHT", 0.5)
+            at_half = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
+            assert torch.equal(at_half(x), selected(model, key_dim)(x)) == (key_dim >= full // 2)
         recipe = collab_vit.conversion.recipe.Recipe(holdout=8, candidates=("weight",))
         pinned = copy.deepcopy(model)
         collab_vit.conversion.reparam.convert_model(pinned, key_dim, "tucker", images, "fast", 0, False, recipe)
         assert torch.equal(pinned(x), converted(x))
     source, again = convert_rope_to_folder(tmp_path, full // 2)  # through ``collab-vit convert`` and timm's reload
-    by_hand = copy.deepcopy(source)
-    for block in by_hand.blocks:
-        block.attn = rotary_fit.selection_layer(block.attn, full // 2)
+    by_hand = fitted(source, full // 2)
     assert torch.equal(vit_family.logits(again, x), vit_family.logits(by_hand, x))
+
+
+def planted_low_frequency_key_bias() -> tuple[AttentionRope, torch.Tensor]:
+    """Two heads of 4 pairs on a 4 x 4 grid (temperature 1000: pairs 1 and 3 turn by at most 0.02 rad a step, so
+    their rotated key bias is nearly constant along a softmax row). Head 0: pair 0 with weights of norm 0.5 and no
+    bias; pair 1 with weights of norm 0.3 and a key bias of 3 (``||[W | b]||`` ranks it first); the rest small."""
+    torch.manual_seed(0)
+    attn = AttentionRope(16, 2, qkv_bias=True, num_prefix_tokens=1)
+    with torch.no_grad():
+        attn.qkv.weight.normal_(0, 0.01)
+        attn.qkv.bias.zero_()
+        for rows, norm in (([0, 1], 0.5), ([16, 17], 0.5), ([2, 3], 0.3), ([18, 19], 0.3)):
+            w = torch.randn(2, 16)
+            attn.qkv.weight[rows] = norm * w / w.norm()
+        attn.qkv.bias[18] = 3.0
+    rope = RotaryEmbeddingCat(8, in_pixels=False, temperature=1000., feat_shape=[4, 4]).get_embed()
+    return attn.eval(), rope
+
+
+def centred_logit_change(layer: nn.Module, reference: nn.Module, x: torch.Tensor, rope: torch.Tensor) -> Tensor:
+    """Per head, ``||logits - reference logits||`` with each softmax row's mean removed (it cancels)."""
+    with torch.no_grad():
+        change = layer.logits(x, rope) - reference.logits(x, rope)
+    return (change - change.mean(-1, keepdim=True)).pow(2).sum((0, 2, 3)).sqrt()
+
+
+def test_selection_keeps_the_pair_that_gives_the_logits_most() -> None:
+    """Issue 54 item 4: a pair whose appended-bias norm ``||[Wq | bq]|| ||[Wk | bk]||`` is largest but whose key bias
+    barely turns along a row (low frequency) changes the logits less than a bias-free pair of smaller norm; the
+    selection ranks by ``logit_energy`` under the layer's rope and keeps the pair the layer's logits on random tokens
+    say, where the ranking by the appended-bias norm keeps the other."""
+    attn, rope = planted_low_frequency_key_bias()
+    x = torch.randn(8, 17, 16, generator=torch.Generator().manual_seed(2))
+    exact = rotary.rotary_layer(attn)
+    dropped = []
+    for pair in range(4):  # head 0 without pair p (shared pair r = p): what it gave the logits
+        without = copy.deepcopy(exact)
+        with torch.no_grad():
+            without.mixing[0, 2 * pair:2 * pair + 2] = 0
+        dropped.append(float(centred_logit_change(without, exact, x, rope)[0]))
+    freqs = rotary_fit.frequencies(attn)
+    assert int(freqs.energy[:, 0].argmax()) == 1 and max(range(4), key=dropped.__getitem__) == 0
+    row_mean = rotary_fit.rope_row_mean(attn, rope)
+    assert int(freqs.logit_energy(row_mean)[:, 0].argmax()) == 0 and float(row_mean[1]) > 0.99
+    new = rotary_fit.selection_layer(attn, 4, rope)  # one pair per head
+    old = rotary_fit.strongest_pairs(attn, 4, freqs.energy)
+    assert int(new.pair_freq[0]) == 0 and int(old.pair_freq[0]) == 1  # head 0's kept pair
+    assert centred_logit_change(new, exact, x, rope)[0] < 0.7 * centred_logit_change(old, exact, x, rope)[0]
+    assert torch.equal(freqs.logit_energy(None), freqs.energy)  # no rope known: every term varies along a row
+    assert torch.equal(rotary_fit.frequencies(source(False, False)).logit_energy(row_mean),
+                       rotary_fit.frequencies(source(False, False)).energy)  # no biases: the same ranking

@@ -138,17 +138,21 @@ class Builder:
     # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
     weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim)``, where it is not ``fit``
     # without sides (``rotary_fit.weight_only``)
+    calls: Optional[Callable] = None  # ``calls(model, layers, images)``: each layer's keywords for ``extra`` and
+    # ``weight`` (rotary layers: the rope it is called with, which ranks the selection's pairs)
 
     @property
     def starts(self) -> tuple[str, ...]:
         return STARTS + tuple(name for name, _ in self.extra)
 
-    def weight_only(self, attn: nn.Module, key_dim: int, method: str = "tucker", **options: Any) -> LayerFit:
+    def weight_only(self, attn: nn.Module, key_dim: int, method: str = "tucker", keywords: Optional[dict] = None,
+                    **options: Any) -> LayerFit:
         """One layer's weight-only conversion at ``key_dim``, the one function the recipe's weight-only start,
         ``reparam``'s weight-only conversion and ``pretrained``'s conversion on load call: ``weight`` where set
-        (rotary layers), else the ``method`` fit (``options``: ``seed, max_iter, tol, dtype``)."""
+        (rotary layers, with the layer's ``keywords``: ``calls``), else the ``method`` fit (``options``: ``seed,
+        max_iter, tol, dtype``)."""
         if self.weight is not None:
-            return self.weight(attn, key_dim)
+            return self.weight(attn, key_dim, **(keywords or {}))
         return (self.fit or fit_attention)(attn, key_dim, method, None, **options)
 
 
@@ -250,6 +254,7 @@ class RecipeRun:
         self.prefix_weight = prefix_weight_for(weight, prefix_tokens(model), patches)
         self.progress, self.bar = False, None  # progress bars (``calibrated`` sets them)
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
+        self.keywords = builder.calls(model, layers, images) if builder.calls else [{} for _ in layers]
         self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
 
     def install(self, fits: list[LayerFit]) -> None:
@@ -275,11 +280,11 @@ class RecipeRun:
         extra = dict(self.builder.extra).get(name)
         options = dict(seed=self.seed)
         fits = []
-        for (_, attn), rank, moments in zip(self.layers, dims, self.source.moments):
+        for (_, attn), rank, moments, keywords in zip(self.layers, dims, self.source.moments, self.keywords):
             if extra is not None:
-                fits.append(extra(attn, rank))
+                fits.append(extra(attn, rank, **keywords))
             elif name == "weight":
-                fits.append(self.builder.weight_only(attn, rank, self.method, seed=self.seed))
+                fits.append(self.builder.weight_only(attn, rank, self.method, keywords, seed=self.seed))
             else:
                 sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
                 fits.append(fit_layer(attn, rank, self.method, sides, **options))

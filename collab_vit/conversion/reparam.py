@@ -202,7 +202,7 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: li
     what = "rotary re-parametrisation (per frequency)" if builder is ROTARY else f"{method} re-parametrisation"
     reports = []
     for (name, attn), rank, call in zip(tqdm(layers, desc=what, disable=not progress), dims, calls):
-        fitted = builder.weight_only(attn, rank, method, seed=seed)
+        fitted = builder.weight_only(attn, rank, method, {"rope": call[1].get("rope")}, seed=seed)  # rotary
         reports.append(LayerReport(name, rank, fitted.tensor_error, output_error(fitted.layer, attn, call),
                                    fitted.seconds))
         replace_submodule(model, name, fitted.layer)

@@ -12,14 +12,16 @@ per frequency). It is fitted by complex ALS on the compressed core (``U = Qu Ru`
 better is kept, so the error is non-increasing in ``R`` and never above keeping the ``R`` strongest heads.
 
 The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "each head keeps its strongest pairs"
-spreads them (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each frequency's fit at
-``R_p`` starts from exactly that selection, so the fit contains the selection and never has a larger tensor error
-at equal q/k parameters. Its top-1 is another matter: at given key dims of at least half the layer's q/k dims
-(``LIGHT``) the selection itself measured better, so there the weight-only conversion is the selection
-(``weight_only``). The allocation that minimises the summed tensor error (dynamic programming,
-``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor error weighs
-every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose error stands for the
-logits' on the calibration tokens, takes the optimal allocation of its whitened error.
+spreads them by ``||T_ip||`` (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each
+frequency's fit at ``R_p`` starts from exactly that selection, so the fit contains it and never has a larger tensor
+error at equal q/k parameters. Its top-1 is another matter: at key dims of at least ``LIGHT`` of the layer's
+q/k dims the weight-only conversion is a selection (``weight_only``; ``LIGHT = 1``: never, issue 54), each head
+keeping the pairs that give its logits most under the layer's rope, as the recipe's ``"select"`` candidate does
+(``Frequencies.logit_energy``: a rotated key bias of a low frequency is nearly constant along a softmax row and
+cancels, which ``||T_ip||`` counts in full). The allocation that minimises the summed tensor error (dynamic
+programming, ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor
+error weighs every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose
+error stands for the logits' on the calibration tokens, takes the optimal allocation of its whitened error.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..layers.construction import full_rank
+from ..layers.rotary import pair_angles
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -35,13 +38,14 @@ from torch import Tensor
 from .calibration import TokenMoments, Whitening, whitener
 from .fit import LayerFit, output_error
 from .recipe import Builder
-from .rotary import is_rotary, projections, rotary_layer, rotary_like, \
+from .rotary import is_rotary, layer_calls, projections, rotary_layer, rotary_like, \
     shared_order
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
-LIGHT = 0.5  # given key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
-# pairs (``selection_layer``), better on top-1 than the per-frequency fit in 5 of 6 cells measured there, by up to
-# 1.0 point, and worse below it in 3 of 5, by up to 8.4 (RESULTS.md (b), issue 40 item 4)
+LIGHT = 1.0  # key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
+# pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. Issue 54 item 4 (results/rotary_ranking,
+# two RoPE-ViT sources, 15 and 5 epochs): at 56 of 64 q/k dims the selection ranked by ``logit_energy`` was 0.21 and
+# 0.15 below the fit, so no share keeps it within 0.1 of the fit on either source, each chosen without the other
 
 
 @dataclass
@@ -55,8 +59,21 @@ class Frequencies:
 
     @property
     def energy(self) -> Tensor:
-        """``||T_ip||^2`` (P, H)."""
+        """``||T_ip||^2`` (P, H): the tensor error's weights (``layer_error``, the per-frequency fit)."""
         return (self.u.abs() ** 2).sum(-1) * (self.conj_v.abs() ** 2).sum(-1)
+
+    def logit_energy(self, row_mean: Optional[Tensor] = None) -> Tensor:
+        """What pair ``p`` of head ``i`` gives the logits (P, H): ``E_n Var_m`` of its term along a softmax row for
+        tokens of zero mean and unit second moment per entry, ``(||Wq_ip||^2 + |bq_ip|^2) (||Wk_ip||^2 + (1 -
+        |c_p|^2) |bk_ip|^2)`` (docs/math.md, "The selection's ranking"): the rotated key bias ``bk_ip e^{i
+        theta_p(m)}`` has the row mean ``bk_ip c_p``, ``c_p`` the mean of ``e^{i theta_p(m)}`` over the row's keys,
+        which cancels in the softmax (``row_mean``: ``|c_p|^2`` (P,), ``rope_row_mean``). None (no rope known):
+        ``c_p = 0``, which is ``energy``."""
+        if not self.bias or row_mean is None:
+            return self.energy
+        key = (self.conj_v[..., :-1].abs() ** 2).sum(-1) + (1 - row_mean.to(torch.float64)).unsqueeze(1) * \
+            self.conj_v[..., -1].abs() ** 2
+        return (self.u.abs() ** 2).sum(-1) * key
 
 
 def complex_pairs(weight: Tensor, bias: Optional[Tensor], order: Tensor, heads: int) -> Tensor:
@@ -163,7 +180,8 @@ def grown(core: Tensor, m: Tensor, a: Tensor, c: Tensor) -> tuple[Tensor, Tensor
 
 def selection_slots(energy: Tensor) -> list[tuple[int, int]]:
     """Every ``(p, i)`` in the order "each head keeps its strongest pairs" keeps them: by the pair's rank within its
-    head, then by ``||T_ip||`` (the first ``k H`` are each head's ``k`` strongest). ``energy``: (P, H)."""
+    head, then by its score (the first ``k H`` are each head's ``k`` strongest). ``energy``: the scores (P, H),
+    ``||T_ip||^2`` for the per-frequency fit's allocation, ``Frequencies.logit_energy`` for the selection."""
     order = energy.argsort(dim=0, descending=True, stable=True)  # (P, H): head i's j-th strongest pair
     slots = sorted((j, -float(energy[order[j, i], i]), int(order[j, i]), i) for j in range(energy.shape[0])
                    for i in range(energy.shape[1]))
@@ -266,13 +284,33 @@ def compressed_layer(attn: nn.Module, freqs: Frequencies, fits: list[list[CP]], 
     return small
 
 
-def selection_layer(attn: nn.Module, key_dim: int) -> nn.Module:
-    """Each head keeps its ``key_dim / (2 heads)`` pairs of largest ``||T_ip||`` (fewer pairs than heads: the
+def rope_row_mean(attn: nn.Module, rope: Optional[Tensor]) -> Optional[Tensor]:
+    """``|c_p|^2`` (P,) for the rope tensor ``attn`` is called with: ``c_p`` the mean of ``e^{i theta_p(m)}`` over a
+    softmax row's keys (prefix tokens at angle 0; per-sample ropes: ``|c_p|^2`` averaged); None without a rope."""
+    if rope is None:
+        return None
+    pairs = attn.head_dim // 2
+    sin, cos = pair_angles(rope, torch.arange(pairs, device=rope.device), bool(getattr(attn, "rotate_half", False)),
+                           attn.head_dim)
+    sin, cos = sin[..., 0::2].to(torch.float64), cos[..., 0::2].to(torch.float64)  # (N', P), interleaved copies
+    prefix = attn.num_prefix_tokens
+    c = torch.complex(cos.sum(-2) + prefix, sin.sum(-2)) / (sin.shape[-2] + prefix)
+    return (c.abs() ** 2).reshape(-1, pairs).mean(0).cpu()
+
+
+def selection_layer(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) -> nn.Module:
+    """Each head keeps its ``key_dim / (2 heads)`` pairs that give its logits most
+    (``Frequencies.logit_energy`` under ``rope``, the rope tensor the layer is called with; None: ``||T_ip||``)."""
+    freqs = frequencies(attn)
+    return strongest_pairs(attn, key_dim, freqs.logit_energy(rope_row_mean(attn, rope)))
+
+
+def strongest_pairs(attn: nn.Module, key_dim: int, score: Tensor) -> nn.Module:
+    """Each head keeps its ``key_dim / (2 heads)`` pairs of largest ``score`` (P, H) (fewer pairs than heads: the
     strongest heads keep one; :func:`selection_slots`): the exact layer's shared pairs ``r = i dh/2 + p`` of the
     kept ``(i, p)`` (mixing ``e_i``), the others dropped. The baseline RESULTS.md compares rotary conversions with."""
     exact = rotary_layer(attn)
-    energy = frequencies(attn).energy  # (P, H)
-    kept = sorted(i * energy.shape[0] + p for p, i in selection_slots(energy)[:key_dim // 2])
+    kept = sorted(i * score.shape[0] + p for p, i in selection_slots(score)[:key_dim // 2])
     dims = torch.tensor([d for r in kept for d in (2 * r, 2 * r + 1)], dtype=torch.long)
     small = rotary_like(attn, dims.numel())
     with torch.no_grad():
@@ -287,19 +325,20 @@ def selection_layer(attn: nn.Module, key_dim: int) -> nn.Module:
     return small
 
 
-def selection_fit(attn: nn.Module, key_dim: int) -> LayerFit:
+def selection_fit(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) -> LayerFit:
     """:func:`selection_layer` as the recipe's ``"select"`` start (exact at full rank, as every start)."""
     began = time.perf_counter()
-    layer = rotary_layer(attn, key_dim) if key_dim >= full_rank(attn) else selection_layer(attn, key_dim)
+    layer = rotary_layer(attn, key_dim) if key_dim >= full_rank(attn) else selection_layer(attn, key_dim, rope)
     return LayerFit(layer, key_dim, layer_error(attn, layer), None, time.perf_counter() - began)
 
 
-def weight_only(attn: nn.Module, key_dim: int) -> LayerFit:
+def weight_only(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) -> LayerFit:
     """The weight-only conversion of one rotary layer: at key dims of at least ``LIGHT`` of its q/k dims (below full
-    rank) each head keeps its strongest pairs (``selection_fit``); else the per-frequency fit (``fit_rotary``)."""
+    rank) each head keeps its strongest pairs under ``rope`` (``selection_fit``); else the per-frequency fit
+    (``fit_rotary``)."""
     full = full_rank(attn)
     if LIGHT * full <= key_dim < full:
-        return selection_fit(attn, key_dim)
+        return selection_fit(attn, key_dim, rope)
     return fit_rotary(attn, key_dim)
 
 
@@ -364,5 +403,10 @@ def only_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
         raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
 
 
+def layer_ropes(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor) -> list[dict[str, Tensor]]:
+    """The rope each layer is called with on the first of ``images`` (``Builder.calls``: it ranks the selection)."""
+    return [{"rope": call[1].get("rope")} for call in layer_calls(model, layers, images[:1])]
+
+
 # the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
-ROTARY = Builder(rotary_sides, candidate_fit, layer_error, (("select", selection_fit),), weight_only)
+ROTARY = Builder(rotary_sides, candidate_fit, layer_error, (("select", selection_fit),), weight_only, layer_ropes)
