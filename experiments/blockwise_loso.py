@@ -48,7 +48,7 @@ from collab_vit.cli import calibration_loader
 from collab_vit.conversion.blockwise import mean_loss, source_outputs
 from collab_vit.conversion.calibration import calibration_images
 from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import (DEFAULT_IMAGES, PASSES, STANDARD, Candidate, Recipe, RecipeRun, choose,
+from collab_vit.conversion.recipe import (IMAGES, PASSES, STANDARD, Candidate, Recipe, RecipeRun, choose,
                                          copies, split)
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
 from collab_vit.conversion.rotary import is_rotary
@@ -270,10 +270,11 @@ def report(results: Path) -> None:
     print((results / "loso.md").read_text())
 
 
-def package_default(images: int = DEFAULT_IMAGES) -> Setting:
-    """The package's blockwise default as a setting, at ``images`` calibration images."""
+def package_default(images: int = IMAGES["full"]) -> Setting:
+    """The package's blockwise recipe these grids chose (``--effort full``: 16 passes; the default since issue 56
+    spends 8 passes on 640 images, ``experiments/fixed_compute.py``) as a setting, at ``images`` calibration images."""
     recipe = Recipe()
-    return Setting(recipe.refine_lr, PASSES["default"], recipe.confidence, images - split(images, recipe.holdout))
+    return Setting(recipe.refine_lr, PASSES["full"], recipe.confidence, images - split(images, recipe.holdout))
 
 
 def check(results: Path) -> None:
@@ -340,7 +341,7 @@ def main() -> None:
     g.add_argument("--source", type=Path, required=True, help="a trained model (.safetensors export)")
     g.add_argument("--name", required=True, help="the source's name in the results")
     g.add_argument("--data-dir", default="data")
-    g.add_argument("--images", type=int, default=DEFAULT_IMAGES, help="calibration images")
+    g.add_argument("--images", type=int, default=IMAGES["full"], help="calibration images (the recipe chosen here)")
     g.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3])
     g.add_argument("--passes", nargs="+", type=int, default=[4, 8, 16, 32])
     g.add_argument("--holdouts", nargs="+", type=int, help="the guard's held-out images (default: the package's)")

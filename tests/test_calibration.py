@@ -265,7 +265,7 @@ def test_never_worse_than_weight_only_on_held_out_images(key_dim) -> None:
 @pytest.mark.parametrize("effort", ["fast", "default"])
 def test_default_recipe_reports_its_candidates(effort: str) -> None:
     """``calibration=`` alone: the candidates of ``effort`` measured on the held-out images, the best kept, its KL
-    never above weight-only's; the default's blockwise refinement takes 16 passes over the fitting images per
+    never above weight-only's; the default's blockwise refinement takes 8 passes over the fitting images per
     layer."""
     model, report = collab_vit.reparametrize(tiny_deit(), 3, calibration=images(16), effort=effort, progress=False,
                                              return_report=True)
@@ -275,7 +275,7 @@ def test_default_recipe_reports_its_candidates(effort: str) -> None:
     assert s["held_out_kl"] == s["candidates"][s["chosen"]] <= s["weight_only_kl"]
     assert s["chosen"] == "weight" or s["verdicts"][s["chosen"]]["kept"]
     assert s["images_fit"] == 12 and s["images_held_out"] == 4
-    assert s["refine_steps"] == {"fast": 0, "default": 3}[effort]  # ceil(16 x 12 / 64)
+    assert s["refine_steps"] == {"fast": 0, "default": 2}[effort]  # ceil(8 x 12 / 64)
     better = min(("weight", "whitened"), key=s["candidates"].get)
     assert effort == "fast" or set(s["candidates"]) == {"weight", "whitened", f"{better}+blocks"}
     assert s["amp"] is False  # the device's rule: bfloat16 capture on CUDA only
@@ -283,7 +283,7 @@ def test_default_recipe_reports_its_candidates(effort: str) -> None:
 
 
 def test_a_pinned_refinement_takes_its_passes_whatever_the_effort(monkeypatch) -> None:
-    """Pinned, the blockwise refinement takes its 16 passes over the 12 fitting images per layer (3 steps) under
+    """Pinned, the blockwise refinement takes the default's 8 passes over the 12 fitting images per layer (2 steps) under
     either effort."""
     from collab_vit.conversion.recipe import RecipeRun
     taken = []
@@ -293,4 +293,4 @@ def test_a_pinned_refinement_takes_its_passes_whatever_the_effort(monkeypatch) -
     for effort in ("fast", "default"):
         report = convert(tiny_deit(), 3, images(16), effort, candidates=("weight", "weight+blocks"))
         assert set(report.summary["candidates"]) == {"weight", "weight+blocks"}
-    assert taken == [3, 3]
+    assert taken == [2, 2]

@@ -3,6 +3,7 @@ timm would load as a model (nothing written, or the earlier output as it was; ot
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -10,6 +11,7 @@ import timm
 import torch
 
 from collab_vit import weights_io
+from collab_vit.conversion import state
 from collab_vit.cli import main as cli_main
 from collab_vit.training import data as training_data
 from collab_vit.weights_io import export_safetensors, read_weights
@@ -45,7 +47,8 @@ def one_line(capsys, args: list, code: int) -> str:
     with pytest.raises(SystemExit) as exit_info:
         cli_main(args)
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and '%|' not in line]
+    lines = [line for line in err.splitlines()
+             if line.strip() and '%|' not in line and not re.search(r': \d+/\d+, \d+ s, ETA ', line)]
     assert exit_info.value.code == code and len(lines) == 1 and 'Traceback' not in err, err
     return lines[0]
 
@@ -139,15 +142,28 @@ def test_signal_during_a_calibrated_conversion(work, capsys, monkeypatch, signum
             return real_getitem(self, index)
         monkeypatch.setattr(training_data.CheckedImageDataset, '__getitem__', getitem)
     else:
-        real_commit = weights_io._RecordingFile.commit
+        real_commit, real_state_write = weights_io._RecordingFile.commit, state.atomic_write
+        in_state = [False]
+
+        def state_write(*args):  # the refinement's own state (``<out>.partial``) is not the output
+            in_state[0] = True
+            try:
+                return real_state_write(*args)
+            finally:
+                in_state[0] = False
 
         def commit(self):
-            calls[0] = 2  # the first file's commit
-            deliver()
+            if not in_state[0]:
+                calls[0] = 2  # the output's first file's commit
+                deliver()
             return real_commit(self)
         monkeypatch.setattr(weights_io._RecordingFile, 'commit', commit)
+        monkeypatch.setattr(state, 'atomic_write', state_write)
     line = one_line(capsys, convert(work, '--key-dim', '6', '--out', str(work / 'out' / out),
                                     '--calibration-data-dir', str(work / 'data'), '--calibration-images', '8'), code)
     assert line == f'collab-vit convert: {"interrupted (SIGINT)" if code == 130 else "terminated (SIGTERM)"}', line
-    assert listing(work / 'out') == before
+    after = listing(work / 'out')
+    kept = {path for path in after if f'{out}.partial' in path}  # the refinement's committed layers: a rerun resumes
+    assert {path: v for path, v in after.items() if path not in kept} == before
+    assert not [path for path in kept if path.endswith('.bin')]  # its scratch files are gone
     assert signal.getsignal(signal.SIGTERM) == handler  # put back

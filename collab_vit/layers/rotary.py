@@ -152,7 +152,8 @@ class CollaborativeAttentionRope(CollaborativeAttention):
             k = rotate(k, sin, cos, self.num_prefix_tokens)
         mixing = self.mixing
         if pad:
-            q, mixing, k = aligned(q), aligned(mixing), aligned(k)
+            width = self.query.out_features  # a plain int: traceable
+            q, mixing, k = aligned(q, width=width), aligned(mixing, width=width), aligned(k, width=width)
         return complex_mix(q, mixing), k
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,

@@ -36,10 +36,11 @@ def folded_layout(q: torch.Tensor, mixing: torch.Tensor, k: torch.Tensor, conten
     return aligned(q, align), aligned(m, align), aligned(k, align)
 
 
-def aligned(x: torch.Tensor, align: int = ALIGN) -> torch.Tensor:
+def aligned(x: torch.Tensor, align: int = ALIGN, width: int = -1) -> torch.Tensor:
     """``x`` with its last dim zero-padded to a multiple of ``align`` (itself when it already is one): the width a
-    fused CUDA kernel takes. Exact for queries, keys and mixing alike: zero columns add nothing to the logits."""
-    pad = (align - x.shape[-1] % align) % align
+    fused CUDA kernel takes. Exact for queries, keys and mixing alike: zero columns add nothing to the logits.
+    ``width``: the last dim where the caller knows it as a plain int (so that torch.fx can trace the layer)."""
+    pad = (align - (x.shape[-1] if width < 0 else width) % align) % align
     return F.pad(x, (0, pad)) if pad else x
 
 
