@@ -150,7 +150,7 @@ class Store:
         with open(path, "wb") as f:  # created with the umask's mode; sparse until written
             f.truncate(count * torch.empty((), dtype=dtype).element_size())
         self.files.add(path)
-        return torch.from_file(str(path), shared=True, size=count, dtype=dtype).view(shape)
+        return mapped(path, shape, dtype)
 
     def kept(self, name: str, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> Optional[Tensor]:
         """The tensor ``name`` as a finished run of this key left it (``done(name)``), else None."""
@@ -158,7 +158,7 @@ class Store:
         if name not in self.state["done"] or not path.is_file():
             return None
         self.files.add(path)
-        return torch.from_file(str(path), shared=True, size=math.prod(tuple(shape)), dtype=dtype).view(tuple(shape))
+        return mapped(path, shape, dtype)
 
     def done(self, name: str) -> None:
         """``name``'s tensor is complete: a resumed run of this key reads it instead of computing it again."""
@@ -198,9 +198,15 @@ class Store:
         self.files.clear()
 
 
-def disk_free(folder: Optional[Path] = None) -> int:
+def mapped(path: Path, shape: Iterable[int], dtype: torch.dtype) -> Tensor:
+    """The file ``path`` as a tensor of ``shape``, memory-mapped (writes go to the file)."""
+    shape = tuple(shape)
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
+def disk_free() -> int:
     """Free bytes where the state folder will be (``beside``'s, else the temporary directory)."""
-    where = folder or _BESIDE.get() or Path(tempfile.gettempdir())
+    where = _BESIDE.get() or Path(tempfile.gettempdir())
     while not where.exists() and where != where.parent:
         where = where.parent
     return shutil.disk_usage(where).free
