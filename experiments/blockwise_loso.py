@@ -145,7 +145,7 @@ def grid(args: argparse.Namespace) -> None:
         if path.exists():
             continue
         model = copy.deepcopy(source).eval()
-        recipe = Recipe(refine_lr=lr, holdout=holdout)
+        recipe = Recipe(refine_lr=lr, holdout=holdout, bf16=args.bf16)
         run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed,
                         ROTARY if rotary else STANDARD)
         dims = [key_dim] * len(run.layers)
@@ -160,7 +160,8 @@ def grid(args: argparse.Namespace) -> None:
             del entry["candidate"]
         row = {"source": args.name, "source_top1": reference["top1"], "source_right": reference["right"],
                "rotary": rotary, "full": full, "key_dim": key_dim, "lr": lr, "images": args.images,
-               "fit": run.source.fit, "samples": recipe.samples, "starts": starts, "refined_from": base,
+               "fit": run.source.fit, "samples": recipe.samples, "bf16": bool(args.bf16), "starts": starts,
+               "refined_from": base,
                "snapshots": snaps, "test_images": int(test[1].numel()), "commit": git_commit(),
                "machine": machine()}
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -347,6 +348,8 @@ def main() -> None:
     g.add_argument("--holdouts", nargs="+", type=int, help="the guard's held-out images (default: the package's)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--bf16", type=int, choices=(0, 1), default=0,
+                   help="the sensitivity pass and the steps in bfloat16 autocast (Recipe.bf16; default 0: float32)")
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
     k = sub.add_parser("check", help="the sources in --results under the package's default alone")
     for q in (g, c, k):

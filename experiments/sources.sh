@@ -4,8 +4,9 @@
 # model.safetensors exists). SET=loso (default): the ten sources; SET=preregistered: the three trained after the
 # frozen defaults were written; SET=converted: the three trained after the converted-token refinement was frozen;
 # SET=registered: the three pre-registered after it was committed;
-# ONLY="a b": those of the set alone. Two threads each, one run at a time (e5: ~9 min,
-# e15: ~27 min on the 2-core CPU).
+# SET=e15-new: two 15-epoch sources with seeds no earlier set used (issue 56: the well-trained sources weighed apart);
+# ONLY="a b": those of the set alone. THREADS (default 2) each, one run at a time (e5: ~9 min, e15: ~27 min on the
+# 2-core CPU; two at once with THREADS=1: ~45 min for both).
 #   SET=loso PYTHON=.venv/bin/python bash experiments/sources.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ train() {  # train NAME CONFIG SEED [extra train.py flags]
     shift 3
     [ -f "runs/sources/$name/model.safetensors" ] && return
     [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return
-    "$py" train.py -c "configs/fmnist/$config.yaml" --seed "$seed" --cpu-threads 2 --progress false \
+    "$py" train.py -c "configs/fmnist/$config.yaml" --seed "$seed" --cpu-threads "${THREADS:-2}" --progress false \
         --output "runs/sources/$name" "$@" > "runs/sources/$name.log" 2>&1
 }
 mkdir -p runs/sources
@@ -30,6 +31,8 @@ preregistered)
     train e5-s5 standard 5; train e5-s6 standard 6; train rope-e5-s7 rope_long 7 --epochs 5 ;;
 converted)  # the three trained after the refinement on the converted model's tokens was frozen (RESULTS.md (b))
     train e5-s8 standard 8; train e5-s9 standard 9; train rope-e5-s10 rope_long 10 --epochs 5 ;;
+e15-new)  # issue 56: the recipe's choices weighed on well-trained sources not seen before
+    train e15-s20 standard_long 20; train e15-s21 standard_long 21 ;;
 registered)  # pre-registered after commit 7252e47 (RESULTS.md (b)), before any was trained
     train e5-s11 standard 11; train e5-s12 standard 12; train rope-e5-s13 rope_long 13 --epochs 5 ;;
 esac

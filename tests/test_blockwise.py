@@ -11,8 +11,8 @@ import pytest
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import (converted_calls, layer_inputs, mean_loss, refine_blocks, source_outputs,
-                                             tokens_at)
+from collab_vit.conversion.blockwise import (bf16_parts, converted_calls, layer_inputs, mean_loss, refine_blocks,
+                                             source_outputs, tokens_at)
 from collab_vit.conversion.fit import fit_attention
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.conversion.rotary_fit import fit_rotary
@@ -81,6 +81,55 @@ def test_a_layer_whose_loss_rises_keeps_its_start() -> None:
     result = refine_blocks(sources, layers, calls, 3, 1.0, 8, 0, False)
     assert result.kept_start and result.kl_after == result.kl_before < 1e-10
     assert all(torch.equal(layer.state_dict()[k], s[k]) for layer, s in zip(layers, start) for k in s)
+
+
+def test_bf16_parts_run_the_sensitivity_pass_and_the_steps_in_bfloat16_and_judge_at_full_precision() -> None:
+    """Under ``bf16_parts``: the sensitivity pass's layers and every step's layer output in bfloat16, the stored
+    sensitivities and the mean losses that decide whether a layer keeps its start in float32; the steps still lower
+    each layer's loss. Outside it, nothing in bfloat16."""
+    model = small("deit_tiny_patch16_224")
+    sources = [block.attn for block in model.blocks]
+    images = torch.randn(16, 3, 32, 32)
+    seen: list[torch.dtype] = []
+    handles = [a.register_forward_hook(lambda m, i, out: seen.append(out.dtype)) for a in sources]
+    with bf16_parts(True):
+        calls = layer_inputs(model, sources, images, 16, 2)
+    for h in handles:
+        h.remove()
+    # a probe and the graph's measure (two forward passes) at full precision, then the pass itself
+    assert seen == [torch.float32] * 6 + [torch.bfloat16] * 2 and all(c[3].dtype == torch.float32 for c in calls)
+    layers = [fit_attention(a, 8, "tucker").layer for a in sources]
+    seen.clear()
+    handles = [a.register_forward_hook(lambda m, i, out: seen.append(out.dtype)) for a in layers]
+    with bf16_parts(True):
+        result = refine_blocks(sources, layers, calls, 5, 1e-2, 8, 0, False)
+    # per layer: the mean loss before (2 batches of 8), 5 steps, the mean loss after (2 batches)
+    assert seen == ([torch.float32] * 2 + [torch.bfloat16] * 5 + [torch.float32] * 2) * 2
+    assert result.kl_after < result.kl_before and not result.kept_start
+    seen.clear()
+    refine_blocks(sources, [fit_attention(a, 8, "tucker").layer for a in sources], calls, 2, 1e-2, 8, 0, False)
+    for h in handles:
+        h.remove()
+    assert torch.bfloat16 not in seen
+
+
+def test_bf16_steps_inside_the_recipe_follow_the_updated_weights() -> None:
+    """The recipe refines inside an autocast region of its own; the bfloat16 steps must not reuse the weights cast
+    at the first step (autocast's cache): through ``convert_model`` the steps lower the loss as in float32 (each to
+    about a tenth here), where with the cache every layer rose and kept its start."""
+    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.reparam import convert_model
+
+    model, x = small("deit_tiny_patch16_224"), torch.randn(24, 3, 32, 32)
+    refined = {}
+    for bf16 in (False, True):
+        report = convert_model(copy.deepcopy(model), 8, "tucker", x, "default", 0, False,
+                               Recipe(holdout=8, refine_steps=50, batch_size=8, bf16=bf16,
+                                      candidates=("whitened+blocks",)))
+        refined[bf16] = report.summary["refine"]
+    assert refined[True]["bf16"] and not refined[False]["bf16"]
+    for r in refined.values():
+        assert not r["kept_start"] and r["loss_after"] < r["loss_before"] / 4
 
 
 def test_a_shorter_run_is_a_prefix_of_a_longer_one_layer_by_layer() -> None:

@@ -21,6 +21,8 @@ rose keeps its starting weights.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -43,6 +45,24 @@ Call = tuple[Optional[Tensor], tuple, dict, Tensor]  # one layer's tokens (image
 
 
 GRAPH_BYTES = 2 ** 29  # the sensitivity pass's autograd graph at most: its batch is cut to fit (DeiT-B: 4 images)
+_BF16: ContextVar[bool] = ContextVar("bf16_parts", default=False)
+
+
+@contextmanager
+def bf16_parts(enabled: bool) -> Iterator[None]:
+    """Inside: the sensitivity pass and the refinement's steps run in bfloat16 autocast (``enabled``); the tokens, the
+    source layers' outputs and the mean losses that decide whether a layer keeps its start stay at full precision."""
+    token = _BF16.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _BF16.reset(token)
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    """``bf16_parts``' autocast, without its cache of cast weights: inside an enclosing autocast region (the recipe
+    runs in one) that cache outlives the step, and the next step's forward would use the weights before the update."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=_BF16.get(), cache_enabled=False)
 
 
 @dataclass
@@ -164,7 +184,7 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
         for chunk in images.split(graph_batch(model, images, batch_size)):
             bar.update(chunk.shape[0])
             outputs.clear()
-            with torch.enable_grad():
+            with torch.enable_grad(), _autocast(device):
                 logits = model(chunk.to(device))
             for sample, drawn in enumerate(sensitivities(logits, outputs, samples, generator)):
                 for target, g in zip(grads, drawn):
@@ -247,7 +267,8 @@ def relative_loss(layer: nn.Module, call: Call, target: Tensor, index: Tensor, d
     ``dy = layer(tokens) - target`` (``layer_inputs``): ``dy`` weighed by its effect on the model's output."""
     x, args, kwargs, weights = call
     delta = layer(x[index].to(device), *args, **kwargs).to(target.dtype) - target[index].to(device)
-    return torch.einsum("bsnd,bnd->bs", weights[index].to(device, delta.dtype), delta).pow(2).mean(1).sum()
+    with torch.autocast(device.type, enabled=False):  # the error's projections at full precision (``bf16_parts``)
+        return torch.einsum("bsnd,bnd->bs", weights[index].to(device, delta.dtype), delta).pow(2).mean(1).sum()
 
 
 @torch.no_grad()
@@ -436,7 +457,8 @@ def refine_layer(source: nn.Module, layer: nn.Module, call: Call, steps: int, se
         optimizer = torch.optim.Adam(params, lr=lr)
         for step in range(steps):
             index = torch.randperm(call[0].shape[0], generator=generator)[:batch_size]
-            loss = relative_loss(layer, call, target, index, device)
+            with _autocast(device):
+                loss = relative_loss(layer, call, target, index, device)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

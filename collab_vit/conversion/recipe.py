@@ -37,7 +37,7 @@ from .capture import model_outputs, prefix_tokens, source_tokens
 from .fit import LayerFit, fit_attention, tensor_error
 from .guard import Verdict, held_out_split, judge, per_image_kl
 from . import state
-from .blockwise import (GRAPH_BYTES, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
+from .blockwise import (GRAPH_BYTES, bf16_parts, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
                         resident_bytes, saved_per_image)
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
@@ -77,6 +77,19 @@ def autocast_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def bf16_native(device: torch.device) -> bool:
+    """The device's rule for the refinement's costly parts (``blockwise.bf16_parts``): bfloat16 autocast where the
+    device multiplies bfloat16 natively (CUDA with bfloat16; a CPU with AVX512-BF16 or AMX), float32 elsewhere
+    (RESULTS.md (b), "At a fixed compute": top-1 unchanged on the Fashion-MNIST sources, 1.6x on DeiT-B's parts)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = torch.cpu
+        return any(bool(getattr(cpu, name, lambda: False)()) for name in
+                   ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return False
+
+
 @dataclass
 class Recipe:
     """The calibrated conversion's constants (module constants above), for experiments and tests to vary."""
@@ -87,6 +100,7 @@ class Recipe:
     refine_lr: float = REFINE_LR
     batch_size: int = BATCH_SIZE
     amp: Optional[bool] = None  # bfloat16 autocast of the capture; None: the device's rule (``autocast_on``)
+    bf16: Optional[bool] = None  # bfloat16 autocast of the sensitivity pass and the steps; None: ``bf16_native``
     holdout: Optional[int] = None  # held-out images; None: a quarter, 1 to 256 (drawn by the seed: guard.py)
     samples: int = SAMPLES
     confidence: float = CONFIDENCE
@@ -230,6 +244,11 @@ def amp_of(recipe: Recipe, device: torch.device) -> bool:
     return autocast_on(device) if recipe.amp is None else bool(recipe.amp)
 
 
+def bf16_of(recipe: Recipe, device: torch.device) -> bool:
+    """``recipe.bf16`` where an experiment set it, else the device's rule (``bf16_native``)."""
+    return bf16_native(device) if recipe.bf16 is None else bool(recipe.bf16)
+
+
 class RecipeRun:
     """One calibrated conversion under way: the source's data (``capture``: the seed draws the held-out images), and
     how candidates are fitted (``method``, seeded), refined, installed in ``model`` and measured on the
@@ -239,7 +258,8 @@ class RecipeRun:
                  method: str = "tucker", seed: int = 0, builder: Builder = STANDARD) -> None:
         self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
         self.builder, self.originals = builder, [attn for _, attn in layers]
-        self.store = state.Store(state.fingerprint(model, images, recipe.__dict__, method, seed,
+        self.bf16 = bf16_of(recipe, next(model.parameters()).device)
+        self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16}, method, seed,
                                                    type(builder.fit).__name__ if builder.fit else "standard"))
         try:
             with self.store.use():
@@ -305,7 +325,7 @@ class RecipeRun:
             self.calls = None  # not held twice
             for (name, _), original in zip(self.layers, self.originals):
                 replace_submodule(self.model, name, original)
-            with self.store.use():
+            with self.store.use(), bf16_parts(self.bf16):
                 self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
                                           self.recipe.samples, self.seed, None if every_layer else 1, self.progress)
         return self.calls
@@ -324,7 +344,7 @@ class RecipeRun:
         if self.store.refining(state.fingerprint(layers, steps)) and self.progress:
             print(f"resuming: {len(self.store.state['layers'])} of {len(layers)} layers refined by a stopped run of "
                   f"this command ({self.store.folder})", flush=True)
-        with self.store.use():
+        with self.store.use(), bf16_parts(self.bf16):
             result = refine_blocks(self.originals, layers,
                                    converted_calls(self.model, layers, calls, self.source.inputs, r.batch_size),
                                    steps, r.refine_lr, r.batch_size, self.seed, self.progress,
@@ -332,6 +352,7 @@ class RecipeRun:
         self.tensor_errors(fits)
         return self.measure(Candidate(f"{base.name}+blocks", fits, refine={
             "steps": result.steps, "lr": r.refine_lr, "seconds": result.seconds, "samples": r.samples,
+            "bf16": self.bf16,
             "loss_before": result.kl_before, "loss_after": result.kl_after, "kept_start": result.kept_start}))
 
     def finish(self, best: Candidate) -> None:
@@ -399,16 +420,27 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     check_space(disk, memory, advice=advice)
     n, fit = images.shape[0], split(images.shape[0], recipe.holdout)
     passes = steps * recipe.batch_size / fit if steps else 0.0
-    batch = images[:8].to(next(model.parameters()).device)
-    with torch.no_grad():
-        model(batch)  # warm: the first pass allocates
-        start = time.perf_counter()
-        model(batch)
-        forward = (time.perf_counter() - start) / batch.shape[0]
+    device = next(model.parameters()).device
+    forward, parts = timed_forward(model, images[:8].to(device), bf16_of(recipe, device))
     c = COST
-    units = n * c["capture"] + (n - fit or n) * (starts + 1) + (fit * (
-        c["sensitivity"] + c["per_class"] * recipe.samples + c["replay"] + c["step"] * passes) if steps else 0)
-    return Plan(n, fit, passes, disk, memory, forward * units, next(model.parameters()).device.type.upper())
+    seconds = forward * (n * c["capture"] + (n - fit or n) * (starts + 1) + (fit * c["replay"] if steps else 0))
+    seconds += parts * fit * (c["sensitivity"] + c["per_class"] * recipe.samples + c["step"] * passes) if steps else 0
+    return Plan(n, fit, passes, disk, memory, seconds, device.type.upper())
+
+
+@torch.no_grad()
+def timed_forward(model: nn.Module, batch: Tensor, bf16: bool) -> tuple[float, float]:
+    """Seconds per image of one warm forward pass of ``model`` on ``batch``: at full precision, and in the precision
+    of the refinement's costly parts (bfloat16 autocast where ``bf16``)."""
+    def seconds(enabled: bool) -> float:
+        with torch.autocast(batch.device.type, torch.bfloat16, enabled=enabled):
+            model(batch)  # warm: the first pass allocates
+            start = time.perf_counter()
+            model(batch)
+        return (time.perf_counter() - start) / batch.shape[0]
+
+    full = seconds(False)
+    return full, seconds(True) if bf16 else full
 
 
 def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Candidate, dict[str, Verdict]]:
