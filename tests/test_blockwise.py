@@ -96,8 +96,14 @@ def test_bf16_parts_run_the_sensitivity_pass_and_the_steps_in_bfloat16_and_judge
         calls = layer_inputs(model, sources, images, 16, 2)
     for h in handles:
         h.remove()
-    # a probe and the graph's measure (two forward passes) at full precision, then the pass itself
-    assert seen == [torch.float32] * 6 + [torch.bfloat16] * 2 and all(c[3].dtype == torch.float32 for c in calls)
+    # a probe and the graph's measure (two forward passes) at full precision, the tokens' pass at full precision
+    # (stopped before the last layer), then the sensitivity pass; the tokens kept are those of a float32 pass
+    assert seen == [torch.float32] * 7 + [torch.bfloat16] * 2 and all(c[3].dtype == torch.float32 for c in calls)
+    full = layer_inputs(model, sources, images, 16, 2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(calls, full))
+    with bf16_parts(True):
+        first = layer_inputs(model, sources, images, 8, 2, kept=1)
+    assert torch.equal(first[0][0], full[0][0]) and first[1][0] is None
     layers = [fit_attention(a, 8, "tucker").layer for a in sources]
     seen.clear()
     handles = [a.register_forward_hook(lambda m, i, out: seen.append(out.dtype)) for a in layers]

@@ -169,11 +169,16 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
     outputs: list[Tensor] = []
     at = [0]
     generator = torch.Generator().manual_seed(seed)
+    last = max((i for i, t in enumerate(tokens) if t is not None), default=None)
+    separate = _BF16.get() and last is not None  # under ``bf16_parts`` the tokens come from a pass of their own
+    mode = ["both"]  # this pass records the tokens and stops after the last ("tokens"), or does not ("sensitivities")
 
     def hook(index: int):
         def record(module: nn.Module, args: tuple) -> None:
-            if tokens[index] is not None:
+            if tokens[index] is not None and mode[0] != "sensitivities":
                 tokens[index][at[0]:at[0] + args[0].shape[0]] = args[0].detach()
+            if mode[0] == "tokens" and index == last:
+                raise _Reached
         return record
 
     handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -183,6 +188,14 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
         device = next(model.parameters()).device
         for chunk in images.split(graph_batch(model, images, batch_size)):
             bar.update(chunk.shape[0])
+            if separate:  # the tokens at full precision, the pass stopped at the last layer whose are kept
+                mode[0] = "tokens"
+                with torch.no_grad():
+                    try:
+                        model(chunk.to(device))
+                    except _Reached:
+                        pass
+                mode[0] = "sensitivities"
             outputs.clear()
             with torch.enable_grad(), _autocast(device):
                 logits = model(chunk.to(device))
