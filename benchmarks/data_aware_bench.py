@@ -17,8 +17,9 @@ the fast run's fits and measures, the capture and the sensitivities of that many
 tokens read before each layer's refinement (``blockwise.converted_calls``: the block before it replayed over the
 fitting images, plus a checking batch of 64 stopped at the layer: ``(L - 1)`` block passes per image and
 ``L (L - 1) / 2`` per checking image), the default's steps for every layer, and the memory the cached tokens and
-sensitivities take. ``--bf16-parts``: the sensitivity pass and the step timed again under bfloat16 autocast, and the
-projection with them (the recipe runs both in float32: what bfloat16 units, AVX512-BF16 or AMX, would save). Random
+sensitivities take. The parts run in the precision the command uses on the device (bfloat16 where it multiplies bfloat16 natively:
+``recipe.bf16_native``); ``--bf16-parts``: the sensitivity pass and the step timed again in the other precision, and
+the projection with them. Random
 weights and images (the cost does not depend on them). Prints a Markdown table; take the numbers on a quiet machine.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import copy
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,8 +39,9 @@ from pathlib import Path
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import cache_bytes, enclosing, inputs_at, layer_inputs, refine_blocks, replay
-from collab_vit.conversion.recipe import DEFAULT_IMAGES, Recipe, refine_steps, split
+from collab_vit.conversion.blockwise import (bf16_parts, cache_bytes, enclosing, inputs_at, layer_inputs, refine_blocks,
+                                             replay)
+from collab_vit.conversion.recipe import DEFAULT_IMAGES, Recipe, bf16_of, refine_steps, split
 from collab_vit.conversion.reparam import convert_model, timm_attention_layers
 
 
@@ -54,10 +57,9 @@ def parts(source: torch.nn.Module, originals: list, batch: torch.Tensor, layer: 
           samples: int, bf16: bool) -> tuple[float, float]:
     """Seconds of the sensitivity pass per image (``layer_inputs`` of ``source``'s attention layers ``originals`` on
     ``batch``) and of one refinement step of ``layer`` (copies; 64 images: ``batch`` repeated; minus a zero-step
-    run), under bfloat16 autocast where ``bf16`` (a warm-up pass first)."""
-    with torch.autocast(next(source.parameters()).device.type, torch.bfloat16, enabled=bf16):
-        if bf16:
-            layer_inputs(source, originals, batch[:4], 4, samples, 0)
+    run), under ``bf16_parts(bf16)`` as the recipe runs them (a warm-up pass first)."""
+    with bf16_parts(bf16):
+        layer_inputs(source, originals, batch[:4], 4, samples, 0)
         cache, calls = timed(lambda: layer_inputs(source, originals, batch, batch.shape[0], samples, 0))
         last = calls[-1]
         repeat = 64 // batch.shape[0]
@@ -124,6 +126,8 @@ def end_to_end(args: argparse.Namespace) -> None:
         rows.append((f"calibrated, {' '.join(args.convert_args) or 'the defaults'}",
                      run_measured(calibrated, root / "c.log")))
         first = (root / "c.log").read_text().splitlines()
+        if args.workdir:  # the calibrated run's whole log (its progress lines time each part) kept beside
+            shutil.copy(root / "c.log", Path(args.workdir) / "calibrated.log")
         print(f"{args.model}, key dim {args.key_dim}, {args.default_images} images in the folder; {platform.machine()}, "
               f"{args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
         print("| conversion (fresh process, end to end) | wall s | peak RssAnon+RssShmem GiB | x weight-only | exit |\n"
@@ -150,7 +154,8 @@ def main() -> None:
     p.add_argument("--measure-default", action="store_true",
                    help="also run the default effort on --default-images images and time it (a GPU job on DeiT-B)")
     p.add_argument("--bf16-parts", action="store_true",
-                   help="also time the sensitivity pass and a refinement step under bfloat16 autocast")
+                   help="also time the sensitivity pass and a refinement step in the other precision (bfloat16 "
+                   "where the device's rule runs them in float32, and the reverse)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the tokens in bfloat16 (default: on CUDA only, as collab-vit convert)")
     args = p.parse_args()
@@ -173,7 +178,8 @@ def main() -> None:
     model = copy.deepcopy(source)
     convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, recipe)
     layer = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"][-1]
-    per_image, per_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, False)
+    bf16 = bf16_of(recipe, device)  # the precision of the parts the command runs here
+    per_image, per_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, bf16)
     block = enclosing(model, layer)
     inputs = inputs_at(model, block, batch, 16)
     reach, _ = timed(lambda: replay(block, inputs, 16))
@@ -197,7 +203,8 @@ def main() -> None:
     kls = " / ".join(f"{summary['candidates'][c]:.3g}" for c in ("weight", "whitened"))
     print(f"| recipe, effort fast, {args.images} images, {'bfloat16' if amp else 'float32'} capture | {fast:.1f} | "
           f"{summary['capture_seconds']:.1f} | {kls} | {fast / weight_only:.2f} |")
-    print(f"| recipe, effort default, {args.default_images} images ({steps} steps per layer), projected | "
+    print(f"| recipe, effort default, {args.default_images} images ({steps} steps per layer, "
+          f"{'bfloat16' if bf16 else 'float32'} parts), projected | "
           f"{projected:.0f} | {capture * args.default_images:.0f} | | {projected / weight_only:.1f} |")
     if args.measure_default:
         many = torch.randn(args.default_images, *source.pretrained_cfg["input_size"],
@@ -212,10 +219,11 @@ def main() -> None:
           f"block's pass {reach:.4f} s per image ({blocks:.0f} s for the converted tokens of every layer); the cached "
           f"tokens and sensitivities of {fit} fitting images, and a layer's working tokens: {tokens / 2**30:.1f} GiB")
     if args.bf16_parts:
-        low_image, low_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, True)
-        print(f"\nunder bfloat16 autocast: tokens and {recipe.samples} sensitivities {low_image:.3f} s per image "
-              f"({per_image / low_image:.1f}x), one layer's refinement step {low_step:.3f} s "
-              f"({per_step / low_step:.1f}x); the default projected with both: {projection(low_image, low_step):.0f} s")
+        other_image, other_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, not bf16)
+        print(f"\nin {'float32' if bf16 else 'bfloat16'}: tokens and {recipe.samples} sensitivities "
+              f"{other_image:.3f} s per image ({per_image / other_image:.2f}x), one layer's refinement step "
+              f"{other_step:.3f} s ({per_step / other_step:.2f}x); the default projected with both: "
+              f"{projection(other_image, other_step):.0f} s")
 
 
 if __name__ == "__main__":

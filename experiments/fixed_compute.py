@@ -1,16 +1,19 @@
-"""The calibrated default at a fixed compute (issue 56): top-1 of the blockwise refinement by calibration images and
-passes, against the compute each costs on DeiT-B, from ``blockwise_loso.py`` grids run at several image counts:
+"""The calibrated default at a fixed compute (issue 56): top-1 of the blockwise refinement by calibration images,
+passes and the precision of its costly parts, against what each costs on DeiT-B, from ``blockwise_loso.py`` grids:
 
-    for n in 640 1024 2048; do
-        python experiments/blockwise_loso.py grid --source runs/sources/e5-s0/model.safetensors --name e5-s0-n$n \\
+    for s in e5-s0 e15-s20 e15-s21; do for n in 640 1024 2048; do
+        python experiments/blockwise_loso.py grid --source runs/sources/$s/model.safetensors --name $s-n$n \\
             --data-dir data --images $n --lrs 0.001 --passes 4 8 16 --threads 1 --results results/fixed_compute
-    done
-    python experiments/fixed_compute.py --results results/fixed_compute    # table.md, compute.png
+    done; python experiments/blockwise_loso.py grid ... --name $s-n640-bf16 --images 640 --bf16 1 ...; done
+    python experiments/fixed_compute.py --results results/fixed_compute    # table.md, choice.md, compute.png
 
-Compute: the recipe's parts in forward passes of the source per image (``recipe.COST``, measured on DeiT-B) times
-DeiT-B's forward on the 2-core CPU (``--forward``, seconds per image: benchmarks/data_aware_bench.md), the closed
-forms aside. Top-1 change against the source with a 95 % interval paired over the 10k test images; 'vs old
-default': against 2048 images and 16 passes (the default before issue 56) on the same source and key dim.
+Compute: DeiT-B seconds on the 2-core CPU of the parts that grow with the images (``PARTS``, measured by
+``benchmarks/data_aware_bench.py --bf16-parts``: the capture and the held-out measures, the sensitivity pass, the
+converted tokens, each layer's steps), float32 or bfloat16 parts. Top-1 change against the source with a 95 %
+interval paired over the 10k test images; 'vs old default': against 2048 images and 16 passes in float32 (the
+default before issue 56) on the same source and key dim. ``choice.md``: for each source, the recipe within
+``--budget`` DeiT-B seconds with the best mean top-1 gain over weight-only on the *other* sources (both key dims; a
+recipe must have been run on every other source), and what it gives the source left out; the 15-epoch sources apart.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from statistics import fmean
 
 import numpy as np
 
@@ -26,17 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # blockwise_loso besid
 from blockwise_loso import unpacked  # noqa: E402
 from runner import figure  # noqa: E402
 
-from collab_vit.conversion.recipe import COST, SAMPLES, split  # noqa: E402
+from collab_vit.conversion.recipe import split  # noqa: E402
 
-OLD = (2048, 16)  # the default before issue 56
+OLD = (2048, 16, False)  # the default before issue 56: images, passes, bfloat16 parts
+# DeiT-B seconds per image on the 2-core AMD EPYC (AVX512-BF16), measured end to end (benchmarks/data_aware_bench.md,
+# 2026-12-07; recipe.COST): a float32 forward pass (the capture, each held-out measure), the converted tokens, source
+# outputs and mean losses of every layer, the sensitivity pass with SAMPLES classes, one pass of every layer's steps;
+# float32 and bfloat16 parts; FIXED: the rest (loading, weight-only and closed-form fits, writing)
+PARTS = {False: {"forward": 0.23, "replay": 0.78, "sensitivity": 1.15, "step": 0.32},
+         True: {"forward": 0.23, "replay": 0.78, "sensitivity": 0.765, "step": 0.216}}
+FIXED = 200.0
+WEIGHT_ONLY = 62.0  # the weight-only conversion in the same run: the budget is 40 times it
 
 
-def seconds(images: int, passes: int, forward: float, held_measures: int = 3) -> float:
-    """DeiT-B seconds of the recipe's passes over ``images`` at ``passes`` (``recipe.plan``'s model)."""
-    fit = split(images, None)
-    units = images * COST["capture"] + (images - fit) * held_measures + fit * (
-        COST["sensitivity"] + COST["per_class"] * SAMPLES + COST["replay"] + COST["step"] * passes)
-    return units * forward
+def seconds(images: int, passes: int, bf16: bool, held_measures: int = 3) -> float:
+    """DeiT-B seconds of the recipe at ``images`` and ``passes`` (``bf16``: its costly parts in bfloat16)."""
+    fit, c = split(images, None), PARTS[bf16]
+    return FIXED + c["forward"] * (images + (images - fit) * held_measures) + fit * (
+        c["sensitivity"] + c["replay"] + c["step"] * passes)
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -45,42 +56,92 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return 100 * d.mean(), 100 * 1.96 * d.std(ddof=1) / math.sqrt(d.size)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--results", type=Path, default=Path("results/fixed_compute"))
-    p.add_argument("--forward", type=float, default=0.2, help="DeiT-B's forward, seconds per image")
-    args = p.parse_args()
+def load(results: Path) -> dict[tuple, dict]:
+    """Every snapshot of the grids under ``results``: (source, key dim, images, passes, bf16) -> its test outcomes,
+    the source's and the weight-only fit's."""
     cells: dict[tuple, dict] = {}
-    for path in sorted(args.results.glob("*/k*.json")):
+    for path in sorted(results.glob("*/k*.json")):
         row = json.loads(path.read_text())
         n = row["test_images"]
         source = unpacked({"right": row["source_right"]}, n)
         weight = unpacked(row["starts"]["weight"], n)
         for snap in row["snapshots"]:
-            cells[(row["source"].split("-n")[0], row["key_dim"], row["images"], snap["passes"])] = {
-                "right": unpacked(snap, n), "source": source, "weight": weight}
-    lines = ["| source | key dim | images | passes | DeiT-B s | vs source | vs weight-only | vs old default |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            key = (row["source"].split("-n")[0], row["key_dim"], row["images"], snap["passes"], row.get("bf16", False))
+            cells[key] = {"right": unpacked(snap, n), "source": source, "weight": weight}
+    return cells
+
+
+def recipe_name(recipe: tuple) -> str:
+    images, passes, bf16 = recipe
+    return f"{images} x {passes}, {'bfloat16' if bf16 else 'float32'}"
+
+
+def choose(cells: dict[tuple, dict], budget: float) -> list[str]:
+    """``choice.md``'s lines: the recipe chosen leaving each source out, and what it gives that source."""
+    sources = sorted({k[0] for k in cells})
+    dims = {s: sorted({k[1] for k in cells if k[0] == s}) for s in sources}
+    recipes = sorted({k[2:] for k in cells if seconds(*k[2:]) <= budget})
+
+    def gain(source: str, recipe: tuple) -> float | None:
+        found = [cells.get((source, d, *recipe)) for d in dims[source]]
+        return None if None in found else fmean(paired(c["right"], c["weight"])[0] for c in found)
+
+    lines = [f"Within {budget:.0f} DeiT-B seconds; each source's recipe chosen on the others (best mean top-1 gain "
+             "over weight-only, both key dims).", "",
+             "| left out | recipe chosen on the others | DeiT-B s | key dim | vs weight-only | vs old default |",
+             "|---|---|---:|---:|---:|---:|"]
+    for left in sources:
+        others = [s for s in sources if s != left]
+        scored = {r: [gain(s, r) for s in others] for r in recipes if gain(left, r) is not None}
+        scored = {r: fmean(g) for r, g in scored.items() if others and None not in g}
+        if not scored:
+            continue
+        best = max(scored, key=scored.get)
+        for d in dims[left]:
+            c, old = cells[(left, d, *best)], cells.get((left, d, *OLD))
+            vs = "{:+.2f} ± {:.2f}".format(*paired(c["right"], c["weight"]))
+            against = "" if old is None else "{:+.2f} ± {:.2f}".format(*paired(c["right"], old["right"]))
+            lines.append(f"| {left} | {recipe_name(best)} | {seconds(*best):.0f} | {d} | {vs} | {against} |")
+    lines += ["", "Each recipe's mean top-1 gain over weight-only, by training length (both key dims):", "",
+              "| recipe | DeiT-B s | 5-epoch sources | 15-epoch sources |", "|---|---:|---:|---:|"]
+    for recipe in sorted({k[2:] for k in cells}, key=lambda r: seconds(*r)):
+        by = {e: [g for s in sources if s.startswith(e) and (g := gain(s, recipe)) is not None] for e in ("e5", "e15")}
+        shown = [f"{fmean(v):+.2f} ({len(v)})" if v else "" for v in by.values()]
+        lines.append(f"| {recipe_name(recipe)} | {seconds(*recipe):.0f} | {shown[0]} | {shown[1]} |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=Path("results/fixed_compute"))
+    p.add_argument("--budget", type=float, default=40 * WEIGHT_ONLY, help="DeiT-B seconds (default: 40 x weight-only)")
+    args = p.parse_args()
+    cells = load(args.results)
+    lines = ["| source | key dim | recipe | DeiT-B s | vs source | vs weight-only | vs old default |",
+             "|---|---:|---|---:|---:|---:|---:|"]
     fig = figure(9, 3.6)
     axes = fig.subplots(1, 2)
-    for (name, key_dim, images, passes), c in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])):
+    for key, c in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], seconds(*kv[0][2:]))):
+        name, key_dim, *recipe = key
         old = cells.get((name, key_dim, *OLD))
         vs = [paired(c["right"], c[ref]) for ref in ("source", "weight")]
         against = "" if old is None else "{:+.2f} ± {:.2f}".format(*paired(c["right"], old["right"]))
-        cost = seconds(images, passes, args.forward)
-        lines.append(f"| {name} | {key_dim} | {images} | {passes} | {cost:.0f} | {vs[0][0]:+.2f} ± {vs[0][1]:.2f} | "
-                     f"{vs[1][0]:+.2f} ± {vs[1][1]:.2f} | {against} |")
-        ax = axes[0 if key_dim == min(k for _, k, _, _ in cells) else 1]
-        ax.errorbar(cost, vs[0][0], yerr=vs[0][1], fmt="o", color=f"C{[640, 1024, 2048].index(images) % 10}")
-        ax.annotate(f"{images}/{passes}", (cost, vs[0][0]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    for ax, key_dim in zip(axes, sorted({k for _, k, _, _ in cells})):
-        ax.axvline(1800, color="grey", ls="--", lw=0.8)
-        ax.set(title=f"key dim {key_dim}", xlabel="DeiT-B seconds on the 2-core CPU (images/passes)",
-               ylabel="top-1 change vs the source")
+        cost = seconds(*recipe)
+        lines.append(f"| {name} | {key_dim} | {recipe_name(tuple(recipe))} | {cost:.0f} | "
+                     f"{vs[0][0]:+.2f} ± {vs[0][1]:.2f} | {vs[1][0]:+.2f} ± {vs[1][1]:.2f} | {against} |")
+        ax = axes[0 if key_dim == min(k[1] for k in cells if k[0] == name) else 1]
+        ax.errorbar(cost, vs[1][0], yerr=vs[1][1], fmt="s" if recipe[2] else "o", ms=4,
+                    color=f"C{sorted({k[0] for k in cells}).index(name) % 10}")
+    for ax, title in zip(axes, ("D/16", "D/8")):
+        ax.axvline(args.budget, color="grey", ls="--", lw=0.8)
+        ax.set(title=f"key dim {title} (squares: bfloat16 parts; a colour per source)",
+               xlabel="DeiT-B seconds on the 2-core CPU", ylabel="top-1 gain over weight-only")
     fig.tight_layout()
     fig.savefig(args.results / "compute.png", dpi=120)
     (args.results / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    choice = choose(cells, args.budget)
+    (args.results / "choice.md").write_text("\n".join(choice) + "\n")
+    print("\n".join(lines + [""] + choice))
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ def test_rotary_post_hoc(tiny_fashion_mnist, tmp_path):
 
 def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     """experiments/fixed_compute.py on the committed grids (results/fixed_compute): one row per source, key dim,
-    images and passes, the old default paired with itself at zero, the plot written; the new default's row there."""
+    images, passes and precision, the old default paired with itself at zero, the plot written; the new default's
+    rows there, and its choice left out source by source."""
     import shutil
 
     results = tmp_path / "fixed_compute"
@@ -149,12 +150,17 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     proc = subprocess.run([sys.executable, str(Path(ROOT) / "experiments" / "fixed_compute.py"), "--results", str(results)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    grids = [json.loads(p.read_text()) for p in results.glob("*/k*.json")]
     rows = [line for line in (results / "table.md").read_text().splitlines()[2:]]
-    assert len(rows) == 18 and (results / "compute.png").stat().st_size > 0
-    assert sum("| 2048 | 16 |" in r and r.endswith("| +0.00 ± 0.00 |") for r in rows) == 2
+    assert len(rows) == sum(len(g["snapshots"]) for g in grids) and (results / "compute.png").stat().st_size > 0
+    old = [g for g in grids if g["images"] == 2048 and not g.get("bf16")]
+    assert sum("| 2048 x 16, float32 |" in r and r.endswith("| +0.00 ± 0.00 |") for r in rows) == len(old)
     from collab_vit.conversion.recipe import DEFAULT_IMAGES, PASSES
 
-    assert sum(f"| {DEFAULT_IMAGES} | {PASSES['default']} |" in r for r in rows) == 2
+    assert sum(f"| {DEFAULT_IMAGES} x {PASSES['default']}, " in r for r in rows) >= 2
+    choice = (results / "choice.md").read_text()
+    sources = {g["source"].split("-n")[0] for g in grids}
+    assert all(f"| {s} |" in choice for s in sources) == (len(sources) > 1)
 
 
 def test_rotary_ranking(tiny_fashion_mnist, tmp_path):

@@ -363,10 +363,12 @@ class RecipeRun:
         self.store.close()
 
 
-# the parts' seconds per image in forward passes of the source (``Plan.seconds``), measured on DeiT-B on a 2-core CPU
-# (benchmarks/data_aware_bench.md): the capture 1; the sensitivity pass about 1 + 1 per class drawn; a refinement step,
-# every layer's, about 0.94 per image and pass; the converted tokens about 0.8; a held-out measure 1 per candidate
-COST = {"capture": 1.0, "sensitivity": 1.0, "per_class": 1.0, "step": 0.94, "replay": 0.8}
+# the parts' seconds per image in forward passes of the source (``Plan.seconds``), measured end to end on DeiT-B on
+# a 2-core CPU (benchmarks/data_aware_bench.md, 2026-12-07): the capture 1 and each held-out measure 1 (a float32
+# forward); the converted tokens, the source layer's outputs and the mean losses of every layer 3.4 (float32); in
+# forwards of the parts' precision (bfloat16 where ``bf16_native``), the sensitivity pass 1 + 1.4 per class drawn and
+# a pass of every layer's steps 1.9
+COST = {"capture": 1.0, "sensitivity": 1.0, "per_class": 1.4, "step": 1.9, "replay": 3.4}
 
 
 @dataclass
