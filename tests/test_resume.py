@@ -51,7 +51,10 @@ def test_a_killed_conversion_resumes_to_the_uninterrupted_weights(tmp_path) -> N
     lines = whole.out.splitlines()
     assert lines[0].startswith("calibrated conversion: 96 images (72 fitted, 24 held out), each layer refined in ")
     assert "GiB in memory" in lines[0] and "GiB on disk beside the output" in lines[0] and "min on this CPU" in lines[0]
-    assert "refine layer 1/2 (its output): " in whole.err and "refine layer 2/2 (its output): " in whole.err
+    stages = ("token statistics (images): 96/96", "closed-form candidates (layers): 4/4",
+              "tokens and sensitivities (images): 72/72", "refine layer 1/2 (its output): ",
+              "refine layer 2/2 (its output): ")
+    assert all(stage in whole.err for stage in stages), whole.err  # a bar per stage and layer
     assert "\r" not in whole.err  # plain lines, not a bar, where stderr is a file
 
     out = tmp_path / "resumed.safetensors"

@@ -15,6 +15,7 @@ import torch.nn as nn
 from timm.layers import Attention
 from torch import Tensor
 
+from .. import console
 from .calibration import TokenMoments
 from .state import allocate
 
@@ -48,9 +49,9 @@ def new_moments(model: nn.Module, attn: Attention) -> TokenMoments:
 
 @torch.no_grad()
 def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images: Tensor, fit: int,
-                  batch_size: int) -> tuple[list[TokenMoments], list[Tensor], int, Tensor]:
+                  batch_size: int, show: bool = False) -> tuple[list[TokenMoments], list[Tensor], int, Tensor]:
     """Moments of the first ``fit`` images' tokens per layer, the held-out images' tokens per layer, peak bytes held,
-    and the model's outputs on all ``images`` (the same forward passes).
+    and the model's outputs on all ``images`` (the same forward passes; ``show``: a progress bar over the images).
 
     The peak counts the stored held-out tokens (the moments are D x D per layer).
     """
@@ -73,13 +74,16 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
         return record
 
     handles = [attn.register_forward_pre_hook(hook(i)) for i, (_, attn) in enumerate(layers)]
+    bar = console.progress(images.shape[0], "token statistics (images)", show)
     try:
         device = next(model.parameters()).device
         outputs = []
         for chunk in images.split(batch_size):
             outputs.append(model(chunk.to(device)))
             start[0] += chunk.shape[0]
+            bar.update(chunk.shape[0])
     finally:
+        bar.close()
         for handle in handles:
             handle.remove()
     return moments, held, sum(_bytes(t) for t in held if t is not None), torch.cat(outputs)

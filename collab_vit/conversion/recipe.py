@@ -220,8 +220,8 @@ class SourceData:
     seconds: float
 
 
-def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, seed: int
-            ) -> SourceData:
+def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, seed: int,
+            show: bool = False) -> SourceData:
     """Split ``images`` (held out: by the seed), capture the layers' tokens and the source's outputs (in bfloat16
     autocast where ``amp_of`` says so; the KL targets at full precision)."""
     n = images.shape[0]
@@ -231,7 +231,7 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     device = next(model.parameters()).device
     amp = amp_of(recipe, device)
     with torch.autocast(device.type, torch.bfloat16, enabled=amp):
-        moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size)
+        moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size, show)
     if amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
         outputs = model_outputs(model, images, recipe.batch_size)
     held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
@@ -255,7 +255,7 @@ class RecipeRun:
     held-out images. ``calibrated`` drives it; the experiments drive it step by step."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe,
-                 method: str = "tucker", seed: int = 0, builder: Builder = STANDARD) -> None:
+                 method: str = "tucker", seed: int = 0, builder: Builder = STANDARD, progress: bool = False) -> None:
         self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
         self.builder, self.originals = builder, [attn for _, attn in layers]
         self.bf16 = bf16_of(recipe, next(model.parameters()).device)
@@ -263,7 +263,7 @@ class RecipeRun:
                                                    type(builder.fit).__name__ if builder.fit else "standard"))
         try:
             with self.store.use():
-                self.source = capture(model, layers, images, recipe, seed)
+                self.source = capture(model, layers, images, recipe, seed, progress)
         except BaseException:
             self.store.close()
             raise
@@ -272,7 +272,7 @@ class RecipeRun:
         if weight == "balanced" and patches is None:
             weight = 1.0  # the rule needs the patch count; without it every token counts alike
         self.prefix_weight = prefix_weight_for(weight, prefix_tokens(model), patches)
-        self.progress, self.bar = False, None  # progress bars (``calibrated`` sets them)
+        self.progress, self.bar = progress, None  # progress bars
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
         self.keywords = builder.calls(model, layers, images) if builder.calls else [{} for _ in layers]
         self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
@@ -472,8 +472,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list
     planned = plan(model, layers, images, recipe, steps.get("blocks", 0), len(builder.starts))  # refused if too big
     if progress:
         print(planned.line(), flush=True)
-    run = RecipeRun(model, layers, images, recipe, method, seed, builder)
-    run.progress = progress
+    run = RecipeRun(model, layers, images, recipe, method, seed, builder, progress)
     try:
         return run_candidates(run, dims, effort, steps, pinned)
     except BaseException:  # the scratch files go; the committed layers stay for the same command run again
