@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # blockwise_loso besid
 from blockwise_loso import unpacked  # noqa: E402
 from runner import figure  # noqa: E402
 
-from collab_vit.conversion.recipe import COST, SAMPLES, split  # noqa: E402
+from collab_vit.conversion.calibration.recipe import COST, SAMPLES, split  # noqa: E402
 
 OLD = (2048, 16)  # the default before issue 56
 

@@ -152,7 +152,7 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     rows = [line for line in (results / "table.md").read_text().splitlines()[2:]]
     assert len(rows) == 18 and (results / "compute.png").stat().st_size > 0
     assert sum("| 2048 | 16 |" in r and r.endswith("| +0.00 ± 0.00 |") for r in rows) == 2
-    from collab_vit.conversion.recipe import DEFAULT_IMAGES, PASSES
+    from collab_vit.conversion.calibration.recipe import DEFAULT_IMAGES, PASSES
 
     assert sum(f"| {DEFAULT_IMAGES} | {PASSES['default']} |" in r for r in rows) == 2
 
