@@ -39,9 +39,9 @@ from pathlib import Path
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import (bf16_parts, cache_bytes, enclosing, inputs_at, layer_inputs, refine_blocks,
-                                             replay)
-from collab_vit.conversion.recipe import DEFAULT_IMAGES, Recipe, bf16_of, refine_steps, split
+from collab_vit.conversion.calibration.blockwise import (bf16_parts, cache_bytes, enclosing, inputs_at, layer_inputs,
+                                                         refine_blocks, replay)
+from collab_vit.conversion.calibration.recipe import DEFAULT_IMAGES, Recipe, bf16_of, refine_steps, split
 from collab_vit.conversion.reparam import convert_model, timm_attention_layers
 
 

@@ -1,4 +1,4 @@
-"""Time and error of collab_vit.conversion.decompose against tensorly on one DeiT-B-sized attention layer.
+"""Time and error of collab_vit.conversion.weights.decompose against tensorly on one DeiT-B-sized attention layer.
 
 The layer is synthetic (no pretrained weights here): heads share a query and a key basis with a decaying
 spectrum, each head mixes it with its own Gaussian factor, plus 1% noise.
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from collab_vit.conversion import decompose as dec
+from collab_vit.conversion.weights import decompose as dec
 
 
 def planted_layer(nh: int = 12, d: int = 768, dh: int = 64, seed: int = 0, noise: float = 0.01):

@@ -35,11 +35,11 @@ import timm
 import torch
 
 from measure import replace_marked_block
-from collab_vit.conversion import decompose as dec
+from collab_vit.conversion.weights import decompose as dec
 from collab_vit.conversion import reparam
-from collab_vit.conversion.capture import source_tokens
-from collab_vit.conversion.fit import single_thread
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.calibration.capture import source_tokens
+from collab_vit.conversion.weights.fit import single_thread
+from collab_vit.conversion.calibration.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decompose_bench import planted_layer  # noqa: E402

@@ -38,19 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from numerics import U32, attention_chain, max_error, vit_chain  # noqa: E402
 
 import collab_vit  # noqa: E402
-from collab_vit.conversion import families  # noqa: E402
-from collab_vit.conversion.rotary import is_rotary  # noqa: E402
-from collab_vit.conversion.support import check_model  # noqa: E402
+from collab_vit.conversion.files import families  # noqa: E402
+from collab_vit.conversion.weights.rotary import is_rotary  # noqa: E402
+from collab_vit.conversion.weights.support import check_model  # noqa: E402
 from measure import replace_marked_block  # noqa: E402
 
 SMALL = families.SMALL
 IMAGES = 64
 MARKER = "vit-family"
 
-# label -> (timm name, keywords over SMALL), from the package's one table (collab_vit/conversion/families.py)
+# label -> (timm name, keywords over SMALL), from the package's one table (collab_vit/conversion/files/families.py)
 CASES: dict[str, tuple[str, Optional[dict[str, Any]]]] = {
     d.label: (d.model, d.kwargs) for d in families.converting_designs(rotary=False)}
-# rotary attention, exact at full rank (compressed: conversion/rotary_fit.py)
+# rotary attention, exact at full rank (compressed: conversion/weights/rotary_fit.py)
 ROTARY: dict[str, tuple[str, Optional[dict[str, Any]]]] = {
     d.label: (d.model, d.kwargs) for d in families.converting_designs(rotary=True)}
 ROPE_CHAIN = 4  # per rotary layer: the rotation (a 2-term sum) and its sin / cos evaluated in float32 (~1 u each)

@@ -9,7 +9,7 @@ whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` / ``
 """
 from ._version import __version__
 from .conversion import reparam
-from .conversion.dims import removed_name
+from .conversion.weights.dims import removed_name
 from .conversion.reparam import reparametrize, reparametrize_attention
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
 from .layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention

@@ -14,9 +14,9 @@ import torch
 
 from .checks import positive_int
 from .console import run_command
-from .conversion.dims import REMOVED
-from .conversion.families import family_names_short
-from .conversion.recipe import EFFORTS, IMAGES, check_effort
+from .conversion.weights.dims import REMOVED
+from .conversion.files.families import family_names_short
+from .conversion.calibration.recipe import EFFORTS, IMAGES, check_effort
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
 from .models_rope import ROPE_MODELS, ROPE_SIZES, ROPE_VARIANTS
@@ -153,9 +153,9 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from .conversion.files import convert_to_file, format_report, format_summary, parse_key_dim
-    from .conversion.state import beside
-    from .conversion.support import kept_text
+    from .conversion.files.commands import convert_to_file, format_report, format_summary, parse_key_dim
+    from .conversion.calibration.state import beside
+    from .conversion.weights.support import kept_text
     from .hub import save_pretrained
     from .training.config import parse_key_value_pairs
 
@@ -180,7 +180,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _analyze(args: argparse.Namespace) -> None:
-    from .conversion.files import analyze_to_files
+    from .conversion.files.commands import analyze_to_files
 
     from .training.config import parse_key_value_pairs
 

@@ -7,13 +7,14 @@ i.e. its source's) and ``DIR/model.safetensors``. After ``import collab_vit``,
 ``push_to_hf_hub(model, "USER/REPO")`` publishes the same files through timm's ``push_to_hf_hub``, and
 ``hf-hub:USER/REPO`` loads them back.
 
-What is recorded (:func:`model_record`): a model converted from a timm model, as its source (``conversion/record.py``:
-``collab_vit_converted`` with the source's timm name and arguments and each converted layer's class and key dim; a
-converted timm DeiT as ``collab_deit_{size}_patch16_224``). The source is ``source=(timm name, kwargs)`` where given
-(``collab-vit convert`` gives it), else the model's own record: the architecture of its ``pretrained_cfg`` and the
-arguments ``timm.create_model`` noted on it. A model built by one of this package's entry points (``collab_deit_*``,
-``concat_deit_*``, ``collab_vit_*_rope*``, ``collab_vit_generic``, ``collab_vit_converted``) is recorded under its own name. Before anything
-is written the model is rebuilt from the record and must give bit-identical outputs on a probe input, else one line.
+What is recorded (:func:`model_record`): a model converted from a timm model, as its source
+(``conversion/files/record.py``: ``collab_vit_converted`` with the source's timm name and arguments and each converted
+layer's class and key dim; a converted timm DeiT as ``collab_deit_{size}_patch16_224``). The source is ``source=(timm
+name, kwargs)`` where given (``collab-vit convert`` gives it), else the model's own record: the architecture of its
+``pretrained_cfg`` and the arguments ``timm.create_model`` noted on it. A model built by one of this package's entry
+points (``collab_deit_*``, ``concat_deit_*``, ``collab_vit_*_rope*``, ``collab_vit_generic``, ``collab_vit_converted``)
+is recorded under its own name. Before anything is written the model is rebuilt from the record and must give
+bit-identical outputs on a probe input, else one line.
 
 Provenance (:func:`provenance`): ``config.json`` has a top-level ``provenance`` key (timm ignores keys it does not
 know) with the source's timm name and arguments, where the weights came from (``weights=``: timm's pretrained tag
@@ -33,8 +34,8 @@ from timm.layers import Attention
 from timm.models import get_model_args, push_to_hf_hub as timm_push_to_hf_hub
 from timm.models._hub import save_config_for_hf
 
-from .conversion.forms import is_beit_attention, is_eva_attention
-from .conversion.record import CONVERTED_MODEL, LAYERS, SOURCE, converted_record, layer_record, rebuild_problem
+from .conversion.weights.forms import is_beit_attention, is_eva_attention
+from .conversion.files.record import CONVERTED_MODEL, LAYERS, SOURCE, converted_record, layer_record, rebuild_problem
 from .layers.attention import CollaborativeAttention, ConcatAttention
 from .models import OWN_MODELS
 from .models_rope import ROPE_MODELS

@@ -9,7 +9,7 @@ timm's ``deit.py``:
 * ``concat_deit_{size}_patch16_224`` (keyword ``key_dim``) and ``concat_deit_{size}_patch16_224_k{N}`` -- standard
   attention with each head's key/query dim cut to ``key_dim / heads``;
 * ``collab_vit_converted`` -- a timm model converted to collaborative attention, as its file or folder records it
-  (``conversion/record.py``): the source's timm name (``source_model``) and keyword arguments, and per converted
+  (``conversion/files/record.py``): the source's timm name (``source_model``) and keyword arguments, and per converted
   layer its collaborative class and key dim (``collaborative_layers``); what ``collab_vit.save_pretrained`` and
   ``collab-vit convert`` name for a converted model that is not a timm DeiT; with no record (timm's sweeps over
   every registered name), timm's ViT-B/16 with every attention layer collaborative at full rank;
@@ -42,8 +42,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Attention, AttentionRope, GluMlp, Mlp, SwiGLU, get_norm_layer
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 
-from .conversion.pretrained import collab_filter_fn, conversion, converted_file_kwargs
-from .conversion.record import COLLABORATIVE_NAMES, CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
+from .conversion.files.pretrained import collab_filter_fn, conversion, converted_file_kwargs
+from .conversion.files.record import COLLABORATIVE_NAMES, CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
 from .checks import positive_int
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class, per_block_attention_class
 from .layers.weight_decay import CollabVisionTransformer
@@ -121,7 +121,7 @@ COLLAB_MODELS: list[str] = [model_name(s) for s in DEIT_ARCHS] + [
     model_name(s, "collab", k) for s, grid in KEY_DIM_GRID.items() for k in grid]
 CONCAT_MODELS: list[str] = [model_name(s, "concat") for s in DEIT_ARCHS] + [
     model_name(s, "concat", k) for s, grid in KEY_DIM_GRID.items() for k in grid[1:]]
-# a conversion of timm's DeiT is recorded as the registered collaborative DeiT (conversion/record.py)
+# a conversion of timm's DeiT is recorded as the registered collaborative DeiT (conversion/files/record.py)
 COLLABORATIVE_NAMES.update({model_name(s, ""): model_name(s) for s in DEIT_ARCHS})
 
 DEFAULT_SOURCE = "vit_base_patch16_224"  # what collab_vit_converted converts when no record names a source
@@ -136,7 +136,7 @@ def _source_cfg(source: str) -> dict[str, Any]:
     return {**cfg, "architecture": CONVERTED_MODEL}
 
 
-# timm's DeiT ImageNet-1k weights, converted on load (collab_vit.conversion.pretrained); key dim from the keyword.
+# timm's DeiT ImageNet-1k weights, converted on load (collab_vit.conversion.files.pretrained); key dim from the keyword.
 DEIT_WEIGHTS = {size: dict(hf_hub_id=f"timm/{model_name(size, '')}.fb_in1k",
                            url=f"https://dl.fbaipublicfiles.com/deit/{model_name(size, '')}-{sha}.pth")
                 for size, sha in (("tiny", "a1311bcf"), ("small", "cd65a155"), ("base", "b5f2ef4d"))}
@@ -406,7 +406,7 @@ def collab_vit_converted(pretrained: bool = False, **kwargs) -> nn.Module:
     Keywords: ``source_model`` (the source's timm name), ``collaborative_layers`` (``{layer name: {"layer":
     collaborative class, "key_dim": k}}``) and the source's own keyword arguments. The source's architecture is
     created without its weights, its attention layers are swapped for collaborative ones of the recorded key dims
-    (``conversion/record.py``), then ``pretrained`` weights (a ``local-dir:`` / ``hf-hub:`` folder, or a converted
+    (``conversion/files/record.py``), then ``pretrained`` weights (a ``local-dir:`` / ``hf-hub:`` folder, or a converted
     file given as ``pretrained_cfg_overlay=dict(file=...)``) are loaded. Without a record, as timm's model sweeps
     call it: ``source_model`` defaults to timm's ViT-B/16 (``vit_base_patch16_224``) and ``collaborative_layers``
     to every attention layer of the source at its full rank (randomly initialised, as any model without weights).

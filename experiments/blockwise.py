@@ -1,4 +1,5 @@
-"""Issue 40 item 2: the blockwise refinement (``conversion/blockwise.py``) against the end-to-end one, on top-1.
+"""Issue 40 item 2: the blockwise refinement (``conversion/calibration/blockwise.py``) against the end-to-end one,
+on top-1.
 
     python experiments/blockwise.py --source runs/sources/e5-s2026/model.safetensors --name e5-s2026
 
@@ -24,9 +25,9 @@ from runner import git_commit, machine, write_json
 
 from collab_vit import reparametrize
 from collab_vit.cli import calibration_loader
-from collab_vit.conversion.calibration import calibration_images
-from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import Candidate, Recipe, RecipeRun, choose
+from collab_vit.conversion.calibration.capture import calibration_images
+from collab_vit.conversion.files.commands import load_source
+from collab_vit.conversion.calibration.recipe import Candidate, Recipe, RecipeRun, choose
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
 
 

@@ -45,14 +45,13 @@ from data_aware import test_set
 from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 
 from collab_vit.cli import calibration_loader
-from collab_vit.conversion.blockwise import mean_loss, source_outputs
-from collab_vit.conversion.calibration import calibration_images
-from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import (IMAGES, PASSES, STANDARD, Candidate, Recipe, RecipeRun, choose,
-                                         copies, split)
+from collab_vit.conversion.calibration.blockwise import mean_loss, source_outputs
+from collab_vit.conversion.calibration.capture import calibration_images
+from collab_vit.conversion.files.commands import load_source
+from collab_vit.conversion.calibration.recipe import (IMAGES, PASSES, ROTARY, STANDARD, Candidate, Recipe, RecipeRun,
+                                                      choose, copies, split)
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
-from collab_vit.conversion.rotary import is_rotary
-from collab_vit.conversion.rotary_fit import ROTARY
+from collab_vit.conversion.weights.rotary import is_rotary
 
 FRACTIONS = (8, 16)  # key dims D/8 and D/16
 CONFIDENCES = (0.9, 0.95)

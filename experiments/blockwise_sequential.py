@@ -29,11 +29,10 @@ import torch
 from blockwise_loso import FRACTIONS, packed, paired, predictions, prepared
 from runner import ROOT, git_commit, machine, write_json
 
-from collab_vit.conversion.blockwise import refine_blocks, source_outputs
-from collab_vit.conversion.recipe import (DEFAULT_IMAGES, STANDARD, Candidate, Recipe, RecipeRun, choose, copies,
-                                         refine_steps)
+from collab_vit.conversion.calibration.blockwise import refine_blocks, source_outputs
+from collab_vit.conversion.calibration.recipe import (DEFAULT_IMAGES, ROTARY, STANDARD, Candidate, Recipe, RecipeRun,
+                                                      choose, copies, refine_steps)
 from collab_vit.conversion.reparam import timm_attention_layers
-from collab_vit.conversion.rotary_fit import ROTARY
 
 class Fixed(torch.nn.Module):
     """Stands in for a source layer in ``refine_blocks``: its outputs are the source layer's on the source's tokens

@@ -35,11 +35,11 @@ from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 
 from collab_vit.cli import calibration_loader
 
-from collab_vit.conversion.calibration import calibration_images, whitening
-from collab_vit.conversion.capture import source_tokens
-from collab_vit.conversion.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
-from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.calibration.capture import calibration_images, source_tokens
+from collab_vit.conversion.weights.whitening import whitening
+from collab_vit.conversion.weights.decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads
+from collab_vit.conversion.files.commands import load_source
+from collab_vit.conversion.calibration.recipe import Recipe
 from collab_vit.conversion.reparam import (convert_model, layer_from_decomposition, output_error,
                                            probe_input_size, timm_attention_layers)
 

@@ -22,10 +22,10 @@ from data_aware import HELD_OUT, test_set, top1
 from runner import ROOT, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
-from collab_vit.conversion import capture
-from collab_vit.conversion.calibration import calibration_images
-from collab_vit.conversion.files import load_source
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.calibration import capture
+from collab_vit.conversion.calibration.capture import calibration_images
+from collab_vit.conversion.files.commands import load_source
+from collab_vit.conversion.calibration.recipe import Recipe
 from collab_vit.conversion.reparam import convert_model, probe_input_size, timm_attention_layers
 
 

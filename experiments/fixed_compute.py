@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # blockwise_loso besid
 from blockwise_loso import unpacked  # noqa: E402
 from runner import figure  # noqa: E402
 
-from collab_vit.conversion.recipe import split  # noqa: E402
+from collab_vit.conversion.calibration.recipe import split  # noqa: E402
 
 OLD = (2048, 16, False)  # the default before issue 56: images, passes, bfloat16 parts
 # DeiT-B seconds per image on the 2-core AMD EPYC (AVX512-BF16), measured end to end (benchmarks/data_aware_bench.md,

@@ -41,7 +41,7 @@ def per_head_dims(model) -> list[dict[str, list[int]]]:
     orthogonal subspaces, the concatenation would need about the SUM of these; if they share one, about the MAX."""
     import torch
 
-    from collab_vit.conversion.decompose import energy_spectrum, rank_for_energy, split_qkv_heads
+    from collab_vit.conversion.weights.decompose import energy_spectrum, rank_for_energy, split_qkv_heads
     from collab_vit.conversion.reparam import timm_attention_layers
     out = []
     for _, attn in timm_attention_layers(model):
@@ -76,8 +76,8 @@ def main() -> None:
     if not args.trained.exists():
         raise SystemExit(f'error: {args.trained} not found: run experiments/post_hoc.py first (it trains the model)')
     sys.path.insert(0, str(ROOT))
-    from collab_vit.conversion.files import load_source
-    from collab_vit.conversion.spectrum import THRESHOLDS, format_spectrum_table, layer_spectra
+    from collab_vit.conversion.files.commands import load_source
+    from collab_vit.conversion.files.spectrum import THRESHOLDS, format_spectrum_table, layer_spectra
 
     args.results.mkdir(parents=True, exist_ok=True)
     init = initial_weights(args.trained, args.results / 'init.safetensors')

@@ -38,10 +38,10 @@ from rotary_post_hoc import load, swap
 from runner import ROOT, git_commit, machine, write_json
 
 from collab_vit.cli import calibration_loader
-from collab_vit.conversion import rotary_fit
-from collab_vit.conversion.calibration import calibration_images
+from collab_vit.conversion.weights import rotary_fit
+from collab_vit.conversion.calibration.capture import calibration_images
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
-from collab_vit.conversion.rotary import layer_calls, rotary_layer
+from collab_vit.conversion.weights.rotary import layer_calls, rotary_layer
 
 VARIANTS = ("fit", "norm", "weights", "logit", "data")
 SELECTIONS = VARIANTS[1:]

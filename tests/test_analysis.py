@@ -1,4 +1,5 @@
-"""Tests for collab_vit.conversion.spectrum: the section 3.1 redundancy spectrum on tiny timm ViTs (D = 48, Nh = 3, dh = 16)."""
+"""Tests for collab_vit.conversion.files.spectrum: the section 3.1 redundancy spectrum on tiny timm ViTs
+(D = 48, Nh = 3, dh = 16)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import collab_vit  # noqa: F401  (registers collab_deit_* with timm)
-from collab_vit.conversion import spectrum as analysis
+from collab_vit.conversion.files import spectrum as analysis
 from numerics import assert_within
 
 D, NH = 48, 3
@@ -88,7 +89,7 @@ def test_spectrum_matches_dense_svd(planted):
 
 def test_query_side_not_key_side(planted):
     """The keys are full rank: the key-side spectrum would need far more dims than the planted query rank."""
-    from collab_vit.conversion.decompose import energy_spectrum, rank_for_energy, split_qkv_heads
+    from collab_vit.conversion.weights.decompose import energy_spectrum, rank_for_energy, split_qkv_heads
 
     s = analysis.layer_spectra(planted)[0]
     _, key_energy = energy_spectrum(*split_qkv_heads(planted.blocks[0].attn.qkv.weight.double(), NH))

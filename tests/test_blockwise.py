@@ -1,5 +1,5 @@
-"""The blockwise refinement (``conversion/blockwise.py``): each converted layer trained alone on its source layer's
-output, from tokens cached in one pass of the source."""
+"""The blockwise refinement (``conversion/calibration/blockwise.py``): each converted layer trained alone on its source
+layer's output, from tokens cached in one pass of the source."""
 from __future__ import annotations
 
 import copy
@@ -11,11 +11,11 @@ import pytest
 import timm
 import torch
 
-from collab_vit.conversion.blockwise import (bf16_parts, converted_calls, layer_inputs, mean_loss, refine_blocks,
-                                             source_outputs, tokens_at)
-from collab_vit.conversion.fit import fit_attention
+from collab_vit.conversion.calibration.blockwise import (bf16_parts, converted_calls, layer_inputs, mean_loss,
+                                                         refine_blocks, source_outputs, tokens_at)
+from collab_vit.conversion.weights.fit import fit_attention
 from collab_vit.conversion.reparam import timm_attention_layers
-from collab_vit.conversion.rotary_fit import fit_rotary
+from collab_vit.conversion.weights.rotary_fit import fit_rotary
 
 SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, num_classes=10)
 
@@ -123,7 +123,7 @@ def test_bf16_steps_inside_the_recipe_follow_the_updated_weights() -> None:
     """The recipe refines inside an autocast region of its own; the bfloat16 steps must not reuse the weights cast
     at the first step (autocast's cache): through ``convert_model`` the steps lower the loss as in float32 (each to
     about a tenth here), where with the cache every layer rose and kept its start."""
-    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.calibration.recipe import Recipe
     from collab_vit.conversion.reparam import convert_model
 
     model, x = small("deit_tiny_patch16_224"), torch.randn(24, 3, 32, 32)
@@ -190,7 +190,7 @@ def test_sensitivities_are_the_gradients_of_the_drawn_class_log_probability() ->
 def test_the_default_refinement_runs_the_whole_model_a_fixed_number_of_times() -> None:
     """The cost guarantee (issue 40): the default effort's refinement steps run single layers, so the whole model's
     forward passes do not grow with the steps (capture, one pass with the sensitivities, the held-out measures)."""
-    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.calibration.recipe import Recipe
     from collab_vit.conversion.reparam import convert_model
 
     model, x = small("deit_tiny_patch16_224"), torch.randn(24, 3, 32, 32)
@@ -212,7 +212,7 @@ def test_a_conversion_that_would_not_fit_is_one_line_before_any_work(tmp_path, m
     sensitivities) or the host's memory (images, graph, model): one line naming the sizes and what to do, exit 1,
     nothing written, before the recipe captures or fits anything (the estimate: one image's tokens)."""
     from collab_vit.cli import main as cli_main
-    from collab_vit.conversion import blockwise, recipe, state
+    from collab_vit.conversion.calibration import blockwise, recipe, state
 
     from test_calibration_cli import exported
     from tinyrun import make_image_folder
@@ -237,8 +237,8 @@ def test_a_conversion_that_would_not_fit_is_one_line_before_any_work(tmp_path, m
 def test_a_refused_conversion_names_the_most_calibration_images_that_fit() -> None:
     """The refusal names the largest count of calibration images whose files fit on the disk (a quarter of them held
     out, as the recipe does), and that count passes the check; one more image does not."""
-    from collab_vit.conversion import state
-    from collab_vit.conversion.recipe import Recipe, plan, split
+    from collab_vit.conversion.calibration import state
+    from collab_vit.conversion.calibration.recipe import Recipe, plan, split
 
     model = small("deit_tiny_patch16_224")
     layers = timm_attention_layers(model)
@@ -254,8 +254,8 @@ def test_a_refused_conversion_names_the_most_calibration_images_that_fit() -> No
 
 
 def blockwise_cache(model: torch.nn.Module, layers: list, images: torch.Tensor) -> int:
-    from collab_vit.conversion import blockwise
-    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.calibration import blockwise
+    from collab_vit.conversion.calibration.recipe import Recipe
 
     return blockwise.cache_bytes(model, [a for _, a in layers], images[:1], 1, Recipe().samples, 1)
 
@@ -263,7 +263,7 @@ def blockwise_cache(model: torch.nn.Module, layers: list, images: torch.Tensor) 
 def test_the_cache_estimate_is_what_the_cache_holds() -> None:
     """``cache_bytes`` from one image is the bytes ``layer_inputs`` holds (tokens and sensitivities, rope included)
     and the refinement's ``WORKING`` token tensors; the store's files hold no more than that at any time."""
-    from collab_vit.conversion import blockwise, state
+    from collab_vit.conversion.calibration import blockwise, state
 
     for name in ("deit_tiny_patch16_224", "vit_small_patch16_rope_224"):
         model = small(name)
@@ -301,7 +301,7 @@ def test_the_cache_estimate_is_what_the_cache_holds() -> None:
 PROBE = """
 import sys, threading, time
 import timm, torch
-from collab_vit.conversion import recipe
+from collab_vit.conversion.calibration import recipe
 from collab_vit.conversion.reparam import convert_model
 
 recipe.PASSES["default"] = 1  # the memory does not depend on the steps
@@ -346,7 +346,7 @@ def test_the_calibrated_conversion_holds_the_same_memory_for_four_times_the_imag
 def test_the_lost_plain_loss_is_refused() -> None:
     """The plain per-layer squared error (no sensitivities) lost on top-1 and left the package: zero classes drawn
     is refused by the recipe and by the cache."""
-    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.calibration.recipe import Recipe
 
     with pytest.raises(ValueError, match="samples"):
         Recipe(samples=0)
@@ -428,7 +428,7 @@ def test_converted_tokens_are_carried_block_to_block_as_a_stopped_pass_reads_the
 def test_the_recipe_holds_the_first_layers_tokens_alone() -> None:
     """The recipe's cache keeps the source's tokens of the first layer only (the others are read from the converted
     model) and every layer's sensitivities; experiments may ask for every layer's tokens."""
-    from collab_vit.conversion.recipe import STANDARD, Recipe, RecipeRun
+    from collab_vit.conversion.calibration.recipe import STANDARD, Recipe, RecipeRun
 
     model = small("deit_tiny_patch16_224")
     run = RecipeRun(model, timm_attention_layers(model), torch.randn(24, 3, 32, 32), Recipe(), "tucker", 0,

@@ -69,7 +69,7 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     assert main_table.count('| a | ') == 2 and main_table.count('| b | ') == 2
     assert alone.count('| holdout | ') == 2  # both counts measured on every cell, each varied alone
     # the pre-registered check reads each source under the package's default alone: 16 passes, 6 of 24 held out
-    from collab_vit.conversion.recipe import Recipe
+    from collab_vit.conversion.calibration.recipe import Recipe
     checked = run('blockwise_loso.py', 'check', '--results', results)
     default = f'| lr 0.001, 16 passes, confidence {Recipe().confidence:g}, 6 held out |'
     assert checked.count('| a | ') == 2 and checked.count(default) == 4
@@ -77,7 +77,7 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
 
     # the snapshot at 4 passes is what the package's default recipe returns with that many steps, to the bit: every
     # candidate's held-out KL, the candidate kept, and its predictions on the test images
-    from collab_vit.conversion.files import load_source
+    from collab_vit.conversion.files.commands import load_source
     from collab_vit.conversion.reparam import convert_model
     from data_aware import test_set
 

@@ -44,7 +44,7 @@ def test_the_package_refinement_is_the_experiments_local_one():
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'experiments'))
     import blockwise_sequential as experiment
-    from collab_vit.conversion.recipe import Recipe, RecipeRun
+    from collab_vit.conversion.calibration.recipe import Recipe, RecipeRun
     from collab_vit.conversion.reparam import timm_attention_layers
 
     torch.manual_seed(0)

@@ -12,13 +12,14 @@ import torch
 from timm.layers import Attention
 
 import collab_vit
-from collab_vit.conversion.calibration import TokenMoments, calibration_images, whitener, whitening
-from collab_vit.conversion.decompose import split_qkv_heads
-from collab_vit.conversion.fit import fit_attention as fit_sides
-from collab_vit.conversion.guard import held_out_split
-from collab_vit.conversion import recipe as recipe_module
-from collab_vit.conversion.dims import REMOVED
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.calibration.capture import calibration_images
+from collab_vit.conversion.weights.whitening import TokenMoments, whitener, whitening
+from collab_vit.conversion.weights.decompose import split_qkv_heads
+from collab_vit.conversion.weights.fit import fit_attention as fit_sides
+from collab_vit.conversion.calibration.guard import held_out_split
+from collab_vit.conversion.calibration import recipe as recipe_module
+from collab_vit.conversion.weights.dims import REMOVED
+from collab_vit.conversion.calibration.recipe import Recipe
 from collab_vit.conversion.reparam import convert_model, reparametrize_attention
 
 
@@ -285,7 +286,7 @@ def test_default_recipe_reports_its_candidates(effort: str) -> None:
 def test_a_pinned_refinement_takes_its_passes_whatever_the_effort(monkeypatch) -> None:
     """Pinned, the blockwise refinement takes the default's 8 passes over the 12 fitting images per layer (2 steps) under
     either effort."""
-    from collab_vit.conversion.recipe import RecipeRun
+    from collab_vit.conversion.calibration.recipe import RecipeRun
     taken = []
     original = RecipeRun.blockwise
     monkeypatch.setattr(RecipeRun, "blockwise", lambda self, base, steps, *a, **k:

@@ -150,7 +150,7 @@ def test_the_command_holds_out_a_quarter_up_to_256_and_guards_at_the_frozen_conf
     import sys
 
     import warmstart
-    from collab_vit.conversion.recipe import MAX_HOLDOUT, Recipe
+    from collab_vit.conversion.calibration.recipe import MAX_HOLDOUT, Recipe
 
     data = make_image_folder(tmp_path / "data", classes=4, train_per_class=260, val_per_class=1, size=12)
     out = tmp_path / "k6.safetensors"

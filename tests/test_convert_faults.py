@@ -11,7 +11,7 @@ import timm
 import torch
 
 from collab_vit import weights_io
-from collab_vit.conversion import state
+from collab_vit.conversion.calibration import state
 from collab_vit.cli import main as cli_main
 from collab_vit.training import data as training_data
 from collab_vit.weights_io import export_safetensors, read_weights

@@ -1,4 +1,4 @@
-"""Tests for collab_vit.conversion.decompose (small sizes: Nh=4, D=32, dh=8)."""
+"""Tests for collab_vit.conversion.weights.decompose (small sizes: Nh=4, D=32, dh=8)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import tensorly as tl
 import torch
 from tensorly.decomposition import parafac
 
-from collab_vit.conversion import decompose as dec
+from collab_vit.conversion.weights import decompose as dec
 from numerics import assert_within
 
 NH, D, DH = 4, 32, 8

@@ -12,7 +12,7 @@ import torch
 from timm.models import get_pretrained_cfg
 
 import collab_vit
-from collab_vit.conversion.files import convert_to_file
+from collab_vit.conversion.files.commands import convert_to_file
 from collab_vit.models import COLLAB_MODELS
 from collab_vit.training import eval_cli
 from collab_vit.weights_io import EVAL_KEYS

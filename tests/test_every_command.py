@@ -1,4 +1,4 @@
-"""Every family of the package's table (``collab_vit/conversion/families.py``) through every command a user runs
+"""Every family of the package's table (``collab_vit/conversion/files/families.py``) through every command a user runs
 (issue 39), each in its own process as a user starts it: the installed ``collab-vit convert`` at an integer key dim
 below full rank with calibration images stored at another size than the model's input (into a hub folder), weight-only
 at a quarter of the q/k dims (a ``.safetensors`` file) and at a per-layer list (a folder); the folders reloaded by plain timm
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from collab_vit.conversion.families import FAMILIES, SMALL, Design, refused_designs
+from collab_vit.conversion.files.families import FAMILIES, SMALL, Design, refused_designs
 import warmstart
 from tinyrun import ROOT, make_image_folder
 from warmstart import Done

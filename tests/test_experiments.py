@@ -155,7 +155,7 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     assert len(rows) == sum(len(g["snapshots"]) for g in grids) and (results / "compute.png").stat().st_size > 0
     old = [g for g in grids if g["images"] == 2048 and not g.get("bf16")]
     assert sum("| 2048 x 16, float32 |" in r and r.endswith("| +0.00 ± 0.00 |") for r in rows) == len(old)
-    from collab_vit.conversion.recipe import DEFAULT_IMAGES, PASSES
+    from collab_vit.conversion.calibration.recipe import DEFAULT_IMAGES, PASSES
 
     assert sum(f"| {DEFAULT_IMAGES} x {PASSES['default']}, " in r for r in rows) >= 2
     choice = (results / "choice.md").read_text()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import warmstart
 from collab_vit.cli import build_parser
-from collab_vit.conversion import families
+from collab_vit.conversion.files import families
 from tinyrun import ROOT, make_image_folder
 
 CLI = str(Path(sys.executable).parent / "collab-vit")
@@ -108,8 +108,8 @@ def test_help_readme_and_docs_agree_with_the_table() -> None:
 
 def test_the_table_s_attention_classes_and_rope_are_timm_s() -> None:
     """Each row's attention class and rotary flag are what timm builds (on meta: no weights)."""
-    from collab_vit.conversion.rotary import is_rotary
-    from collab_vit.conversion.support import check_model
+    from collab_vit.conversion.weights.rotary import is_rotary
+    from collab_vit.conversion.weights.support import check_model
 
     for family in families.FAMILIES:
         model = timm.create_model(family.design.model, device="meta", **family.design.small_kwargs())

@@ -1,6 +1,6 @@
-"""The calibrated conversion's guard (``conversion/guard.py``): a candidate replaces the weight-only fit only when
-its per-image gain on the held-out images is resolved by a seeded bootstrap interval; the held-out draw and the
-verdict are reproducible by seed."""
+"""The calibrated conversion's guard (``conversion/calibration/guard.py``): a candidate replaces the weight-only fit
+only when its per-image gain on the held-out images is resolved by a seeded bootstrap interval; the held-out draw and
+the verdict are reproducible by seed."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import collab_vit
-from collab_vit.conversion import recipe
-from collab_vit.conversion.guard import RESAMPLES, held_out_split, judge
+from collab_vit.conversion.calibration import recipe
+from collab_vit.conversion.calibration.guard import RESAMPLES, held_out_split, judge
 from test_calibration import convert, images, tiny_deit
 
 pytestmark = pytest.mark.usefixtures("one_thread")

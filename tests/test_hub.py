@@ -333,7 +333,7 @@ def test_convert_of_a_checkpoint_records_its_provenance_and_no_tag(tmp_path: Pat
     source, "checkpoint mine.pth" and the pipeline of timm's cfg, never the tag of timm's weights (nor their
     license); a convert of one of this package's exports records the pipeline as the checkpoint's record."""
     from collab_vit.cli import main as cli_main
-    from collab_vit.conversion.files import weights_origin
+    from collab_vit.conversion.files.commands import weights_origin
     from collab_vit.weights_io import export_safetensors
 
     kwargs = dict(TINY, **SMALL)

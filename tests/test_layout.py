@@ -1,12 +1,17 @@
 """The package's layers import one way only: checks <- layers <- weights_io <- console <- conversion <- models
-(models_rope) <- hub <- training <- cli."""
+(models_rope) <- hub <- training <- cli; inside conversion/, a conversion's stages: weights <- calibration <- reparam
+<- files."""
 import ast
 import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).parents[1] / 'collab_vit'
 RANK = {'_version': -1, 'checks': -0.5, 'layers': 0, 'weights_io': 1, 'console': 1.5, 'conversion': 2, 'models': 3,
         'models_rope': 3, 'hub': 3.5, 'training': 4, 'cli': 5, '__init__': 6}
+
+STAGE_RANK = {'weights': 0, 'calibration': 1, 'reparam': 2, 'files': 3, '__init__': 4}  # inside conversion/
 
 
 def part(module: str) -> str:
@@ -40,14 +45,41 @@ def imports(path: Path) -> set:
     return {m for m in found if m in MODULES}
 
 
+def stage(module: str) -> str:
+    """'collab_vit.conversion.weights.fit' -> 'weights', 'collab_vit.conversion.reparam' -> 'reparam',
+    'collab_vit.conversion' -> '__init__'."""
+    return module.split('.')[2] if module.count('.') > 1 else '__init__'
+
+
+def against_ranks(edges: dict, rank: dict, kind) -> list:
+    """'a imports b' for each edge of ``edges`` (module -> modules it imports) where ``b``'s rank is above ``a``'s
+    (``rank[kind(module)]``)."""
+    return [f'{a} imports {b}' for a, targets in sorted(edges.items()) for b in sorted(targets)
+            if rank[kind(b)] > rank[kind(a)]]
+
+
 def test_imports_go_one_way():
-    wrong = []
-    for path in PACKAGE.rglob('*.py'):
-        own = part('.'.join(path.relative_to(PACKAGE.parent).with_suffix('').parts))
-        for module in imports(path):
-            if RANK[part(module)] > RANK[own]:
-                wrong.append(f'{path.relative_to(PACKAGE.parent)} imports {module}')
+    wrong = against_ranks({name: imports(path) for name, path in MODULES.items()}, RANK, part)
     assert not wrong, wrong
+
+
+CONVERSION = {name: path for name, path in MODULES.items() if part(name) == 'conversion'}
+
+
+def test_conversion_stages_import_one_way():
+    """weights (no images) <- calibration (what reads images) <- reparam (the public entries) <- files (the command
+    line's side): each stage imports only from its own and those below it."""
+    assert {stage(name) for name in CONVERSION} == set(STAGE_RANK)
+    edges = {name: {m for m in imports(path) if part(m) == 'conversion'} for name, path in CONVERSION.items()}
+    wrong = against_ranks(edges, STAGE_RANK, stage)
+    assert not wrong, wrong
+
+
+def test_against_ranks_names_the_wrong_edge():
+    edges = {'p.conversion.weights.fit': {'p.conversion.calibration.recipe', 'p.conversion.weights.decompose'},
+             'p.conversion.files.commands': {'p.conversion.reparam'}}
+    wrong = 'p.conversion.weights.fit imports p.conversion.calibration.recipe'
+    assert against_ranks(edges, STAGE_RANK, stage) == [wrong]
 
 
 def find_cycle(edges: dict) -> list:
@@ -87,18 +119,19 @@ def test_no_import_cycle():
     assert not cycle, 'import cycle: ' + ' -> '.join(cycle)
 
 
-def test_training_package_lists_its_modules_top_to_bottom():
-    """training/__init__.py imports nothing and names every module of training/, each importing only those it
-    lists below it."""
-    init = PACKAGE / 'training' / '__init__.py'
+@pytest.mark.parametrize('package', ['training', 'conversion/weights', 'conversion/calibration', 'conversion/files'])
+def test_package_lists_its_modules_top_to_bottom(package):
+    """The package's __init__.py imports nothing and names every module of the package, each importing only those
+    it lists below it."""
+    init = PACKAGE / package / '__init__.py'
     tree = ast.parse(init.read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     listed = re.findall(r'^\* ``(\w+)``', ast.get_docstring(tree), re.M)
     assert sorted(listed) == sorted(p.stem for p in init.parent.glob('*.py') if p.stem != '__init__')
+    prefix = 'collab_vit.' + package.replace('/', '.') + '.'
     for i, name in enumerate(listed):
-        inside = {m.rpartition('.')[2] for m in imports(init.parent / f'{name}.py')
-                  if m.startswith('collab_vit.training.')}
-        assert inside <= set(listed[i + 1:]), f'training/{name}.py imports {sorted(inside - set(listed[i + 1:]))}'
+        inside = {m.rpartition('.')[2] for m in imports(init.parent / f'{name}.py') if m.startswith(prefix)}
+        assert inside <= set(listed[i + 1:]), f'{package}/{name}.py imports {sorted(inside - set(listed[i + 1:]))}'
 
 
 def test_version_agrees_with_pyproject():

@@ -16,8 +16,10 @@ from timm.layers import Attention
 
 import collab_vit
 from collab_vit import checks
-from collab_vit.conversion import blockwise, decompose, spectrum
-from collab_vit.conversion.support import check_model
+from collab_vit.conversion.calibration import blockwise
+from collab_vit.conversion.weights import decompose
+from collab_vit.conversion.files import spectrum
+from collab_vit.conversion.weights.support import check_model
 from collab_vit.layers.attention import CollaborativeAttention
 from collab_vit.training.config import ConfigError
 from collab_vit.weights_io import WriteError
@@ -63,13 +65,15 @@ def test_written_once(pattern, home):
 
 
 @pytest.mark.parametrize('pattern, home', [
-    (r'\.norm\(\) / \w+\.norm\(\)', 'conversion/fit.py'),  # a layer's relative output error: fit.output_error
-    (r'\.query\.weight\.T, \w+\.key\.weight\.T', 'conversion/fit.py'),  # a layer's tensor error: fit.tensor_error
-    (r'kl_div\(', 'conversion/guard.py'),  # the per-image KL to the source's outputs: guard.per_image_kl
-    (r'\w*dims?\w* % 2\b', 'conversion/dims.py'),  # even key dims of rotary layers: dims.layer_dims
-    (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/dims.py'),  # one key dim for every layer
-    (r'startswith\(["\']budget=|entries but the model has \{len\(\w*layers', 'conversion/dims.py'),  # key-dim specs
-    (r'fit_attention\)?\([^)]*, None\b', 'conversion/recipe.py'),  # a weight-only fit: Builder.weight_only
+    (r'\.norm\(\) / \w+\.norm\(\)', 'conversion/weights/fit.py'),  # a layer's relative output error: fit.output_error
+    # a layer's tensor error: fit.tensor_error
+    (r'\.query\.weight\.T, \w+\.key\.weight\.T', 'conversion/weights/fit.py'),
+    (r'kl_div\(', 'conversion/calibration/guard.py'),  # the per-image KL to the source's outputs: guard.per_image_kl
+    (r'\w*dims?\w* % 2\b', 'conversion/weights/dims.py'),  # even key dims of rotary layers: dims.layer_dims
+    (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/weights/dims.py'),  # one key dim for every layer
+    # key-dim specs
+    (r'startswith\(["\']budget=|entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
+    (r'fit_attention\)?\([^)]*, None\b', 'conversion/calibration/recipe.py'),  # a weight-only fit: Builder.weight_only
 ])
 def test_conversion_concepts_computed_once(pattern, home):
     """Issue 54: each of these is computed in its home module of ``conversion/`` only (found by what the code
@@ -81,7 +85,9 @@ def test_conversion_concepts_computed_once(pattern, home):
 def test_conversion_paths_call_the_one_function(monkeypatch):
     """The weight-only conversion of standard and rotary layers, the recipe's weight-only start and the conversion
     on load go through ``Builder.weight_only``; every report's output error through ``fit.output_error``."""
-    from collab_vit.conversion import fit, recipe, reparam
+    from collab_vit.conversion.weights import fit
+    from collab_vit.conversion.calibration import recipe
+    from collab_vit.conversion import reparam
     calls = {'weight_only': 0, 'output_error': 0}
     weight_only, output_error = recipe.Builder.weight_only, fit.output_error
 

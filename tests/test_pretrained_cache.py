@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import collab_vit
-from collab_vit.conversion import pretrained
-from collab_vit.conversion.pretrained import cache_key
+from collab_vit.conversion.files import pretrained
+from collab_vit.conversion.files.pretrained import cache_key
 
 SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=48, num_heads=3)
 KEY_DIM = 24  # below the full 48: a real (lossy) decomposition, so a wrong entry cannot pass for a right one

@@ -83,8 +83,8 @@ def test_layout_names_every_module_and_no_other() -> None:
 
 def test_layout_check_sees_a_missing_and_an_extra_module() -> None:
     block = layout_block()
-    assert "collab_vit/conversion/fit.py" in layout_modules(block)
-    assert "collab_vit/conversion/fit.py" not in layout_modules(block.replace("fit.py (", "fitting ("))
+    assert "collab_vit/conversion/weights/fit.py" in layout_modules(block)
+    assert "collab_vit/conversion/weights/fit.py" not in layout_modules(block.replace("fit.py (", "fitting ("))
     assert "collab_vit/layers/gone.py" in layout_modules(block.replace("forms.py (BEiT's", "gone.py (BEiT's"))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from timm.layers import Attention
 
-from collab_vit.conversion.capture import source_tokens
+from collab_vit.conversion.calibration.capture import source_tokens
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.layers.attention import CollaborativeAttention
 from numerics import assert_within, vit_chain
@@ -61,7 +61,7 @@ def test_amp_capture_keeps_the_tokens_within_bfloat16_round_off() -> None:
 def test_prefix_weight_counts_the_class_token_w_times_on_the_query_side() -> None:
     """The weighted moments against their dense float64 definition; the key side is untouched; ``balanced`` is
     patches / prefix tokens; bad weights are one-line errors."""
-    from collab_vit.conversion.calibration import TokenMoments
+    from collab_vit.conversion.weights.whitening import TokenMoments
     x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     plain, moments = TokenMoments(4), TokenMoments(4, prefix_tokens=1)
     plain.update(x)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import collab_vit
-from collab_vit.conversion.dims import REMOVED
+from collab_vit.conversion.weights.dims import REMOVED
 from collab_vit.training.config import REMOVED_KEYS, build_config
 
 from test_every_command import collab_vit_command, run

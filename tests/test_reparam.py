@@ -11,8 +11,8 @@ import torch
 import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion.dims import REMOVED
-from collab_vit.conversion.recipe import Recipe
+from collab_vit.conversion.weights.dims import REMOVED
+from collab_vit.conversion.calibration.recipe import Recipe
 from collab_vit.conversion.reparam import convert_model
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.weights_io import read_weights

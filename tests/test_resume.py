@@ -17,7 +17,7 @@ from tinyrun import make_image_folder
 # the command, killed (SIGKILL: no handler runs) as its second layer's refinement starts, the first one committed
 KILLED = """
 import os, signal, sys
-from collab_vit.conversion import blockwise
+from collab_vit.conversion.calibration import blockwise
 real, started = blockwise.refine_layer, []
 
 def dying(*args, **kwargs):

@@ -21,7 +21,7 @@ from timm.models.eva import EvaAttention
 import collab_vit
 import vit_family
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion import rotary, rotary_fit
+from collab_vit.conversion.weights import rotary, rotary_fit
 from collab_vit.layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention, pair_angles, rotate
 from numerics import U32, assert_within, attention_chain, max_error
 from test_vit_family import doc_block, table_rows
@@ -292,8 +292,8 @@ def test_spectrum_of_rotary_attention_is_per_frequency() -> None:
     """Section 3.1 under rope: each frequency's share of its heads' joint energy in its first 1, 2, 3 shared pairs
     is ``1 - error / energy`` of the per-frequency fit at that rank, recomputed here from the fit itself; the
     spectrum counts pairs (two dims each) and ends at full rank; calibration images are refused in one line."""
-    from collab_vit.conversion import rotary_fit
-    from collab_vit.conversion.spectrum import layer_spectra, suggest_key_dim
+    from collab_vit.conversion.weights import rotary_fit
+    from collab_vit.conversion.files.spectrum import layer_spectra, suggest_key_dim
 
     model = vit_family.create(*vit_family.ROTARY["EVA-02, separate q/k/v, scale norm"])
     spectra = layer_spectra(model)

@@ -1,5 +1,5 @@
-"""Compression of rotary attention per frequency (issue 33, conversion/rotary_fit.py): at full rank the fit is the
-exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and never above keeping
+"""Compression of rotary attention per frequency (issue 33, conversion/weights/rotary_fit.py): at full rank the fit is
+the exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and never above keeping
 each head's strongest pairs at equal q/k parameters; the
 calibrated recipe runs its candidates on rotary layers and keeps weight-only unless another is better on held-out
 images; a compressed model reloads bit-identically from its hub folder."""
@@ -18,7 +18,7 @@ from torch import Tensor
 
 import collab_vit
 import vit_family
-from collab_vit.conversion import rotary, rotary_fit
+from collab_vit.conversion.weights import rotary, rotary_fit
 from test_rotary import convert_rope_to_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,7 +114,7 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
     name, kwargs = vit_family.ROTARY["EVA-02 (fused qkv, q/v biases)"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
-    recipe = collab_vit.conversion.recipe.Recipe(refine_steps=6, batch_size=8, holdout=8)
+    recipe = collab_vit.conversion.calibration.recipe.Recipe(refine_steps=6, batch_size=8, holdout=8)
     converted = copy.deepcopy(model)
     report = collab_vit.conversion.reparam.convert_model(converted, 16, "tucker", images, "default", 0, False, recipe)
     summary = report.summary
@@ -141,7 +141,7 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
-    recipe = collab_vit.conversion.recipe.Recipe(holdout=8, candidates=("select",))
+    recipe = collab_vit.conversion.calibration.recipe.Recipe(holdout=8, candidates=("select",))
     converted = copy.deepcopy(model)
     report = collab_vit.conversion.reparam.convert_model(converted, 8, "tucker", images, "fast", 0, False, recipe)
     assert report.summary["chosen"] == "select" and report.summary["candidate_key_dims"]["select"] == [8, 8]
@@ -160,7 +160,7 @@ def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) ->
     """Where the weight-only fit is the selection (``rotary_fit.weight_only`` with ``LIGHT`` at half; the package's
     ``LIGHT = 1`` never takes it since issue 54) the recipe scores that model once on the held-out images and both
     candidates carry its scores (the whitened fit, another model, is scored); the model kept is the one scored."""
-    from collab_vit.conversion import recipe as recipe_module
+    from collab_vit.conversion.calibration import recipe as recipe_module
 
     monkeypatch.setattr(rotary_fit, "LIGHT", 0.5)
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
@@ -235,7 +235,7 @@ def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path, m
             patched.setattr(rotary_fit, "LIGHT", 0.5)
             at_half = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
             assert torch.equal(at_half(x), selected(model, key_dim)(x)) == (key_dim >= full // 2)
-        recipe = collab_vit.conversion.recipe.Recipe(holdout=8, candidates=("weight",))
+        recipe = collab_vit.conversion.calibration.recipe.Recipe(holdout=8, candidates=("weight",))
         pinned = copy.deepcopy(model)
         collab_vit.conversion.reparam.convert_model(pinned, key_dim, "tucker", images, "fast", 0, False, recipe)
         assert torch.equal(pinned(x), converted(x))

@@ -16,8 +16,9 @@ from timm.optim import create_optimizer_v2
 import collab_vit
 import vit_family
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion import recipe, reparam
-from collab_vit.conversion.fit import METHODS
+from collab_vit.conversion.calibration import recipe
+from collab_vit.conversion import reparam
+from collab_vit.conversion.weights.fit import METHODS
 from numerics import U32, assert_within
 
 POST_HOC = Path(__file__).parents[1] / "docs" / "post_hoc.md"
@@ -240,7 +241,7 @@ def test_one_layer_with_qk_norm_is_refused_before_decomposing(monkeypatch) -> No
 def test_beit_attention_rewritten_as_timm_attention_is_the_same_function() -> None:
     """forms.from_beit: fused qkv bias [q_bias, 0, v_bias] plus the relative position bias, float64 against BEiT's
     own layer (both explicit and SDPA), with and without a shared bias."""
-    from collab_vit.conversion.forms import from_beit
+    from collab_vit.conversion.weights.forms import from_beit
     from numerics import attention_chain
 
     model = vit_family.create("beit_base_patch16_224", {}).double()
@@ -280,7 +281,7 @@ def test_convert_cli_writes_any_design_that_converts(label: str, tmp_path: Path)
 
 def test_spectrum_of_beit_and_eva_layers_reads_their_timm_form() -> None:
     """``collab-vit analyze`` (``layer_spectra``) on BEiT and EVA with separate q/k/v: the model is not changed."""
-    from collab_vit.conversion.spectrum import layer_spectra
+    from collab_vit.conversion.files.spectrum import layer_spectra
 
     for label in ("BEiT (relative position bias, layer scale)", "EVA, separate q/k/v projections, scale norm"):
         model = vit_family.create(*vit_family.CASES[label])

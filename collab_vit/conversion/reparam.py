@@ -19,13 +19,14 @@ from tqdm import tqdm
 
 from ..layers.attention import CollaborativeAttention
 from ..layers.construction import not_convertible, replace_submodule
-from .calibration import Calibration, TokenMoments, calibration_images, whitening
-from .dims import REMOVED, KeyDimSpec, check_spec, layer_dims
-from .fit import check_method, fit_attention, layer_from_decomposition, output_error
-from .recipe import STANDARD, Builder, Recipe, calibrated, check_effort, split
-from .rotary import is_rotary, layer_calls
-from .rotary_fit import ROTARY, only_rotary
-from .support import all_or_nothing, attention_forms
+from .weights.whitening import TokenMoments, whitening
+from .weights.dims import REMOVED, KeyDimSpec, check_spec, layer_dims
+from .weights.fit import check_method, fit_attention, layer_from_decomposition, output_error
+from .calibration.capture import Calibration, calibration_images
+from .calibration.recipe import ROTARY, STANDARD, Builder, Recipe, calibrated, check_effort, split
+from .weights.rotary import is_rotary, layer_calls
+from .weights.rotary_fit import only_rotary
+from .weights.support import all_or_nothing, attention_forms
 
 __all__ = ["ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention",
            "layer_from_decomposition", "output_error"]

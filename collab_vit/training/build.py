@@ -25,7 +25,7 @@ from timm.utils import ModelEmaV3, NativeScaler, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
-from ..conversion.pretrained import collab_filter_fn, conversion
+from ..conversion.files.pretrained import collab_filter_fn, conversion
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, check_fit, model_pipeline, one_line, read_weights
 from .checkpoint import Progress
@@ -268,8 +268,8 @@ def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: st
     """``state`` made ready for ``model.load_state_dict``, or a WeightsError listing what does not fit.
 
     Standard-attention weights (a timm/DeiT ``.pth``) for a collaborative model are converted exactly as
-    ``pretrained=True`` converts them (``collab_vit.conversion.pretrained.collab_filter_fn``: timm's ViT filter, then
-    the re-parametrisation of section 3.3 at the model's key dims). With ``allow_new_head`` a classifier of another
+    ``pretrained=True`` converts them (``collab_vit.conversion.files.pretrained.collab_filter_fn``: timm's ViT filter,
+    then the re-parametrisation of section 3.3 at the model's key dims). With ``allow_new_head`` a classifier of another
     size (fine-tuning to a new dataset; every classifier timm's cfg names) is left at its init.
     """
     collaborative = any(isinstance(m, CollaborativeAttention) for m in model.modules())

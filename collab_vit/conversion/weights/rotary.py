@@ -24,8 +24,8 @@ from timm.layers.pos_embed_sincos import (RotaryEmbeddingCat, RotaryEmbeddingDin
                                           RotaryEmbeddingMRope)
 from torch import Tensor
 
-from ..layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
-from ..layers.construction import QK_NORM, full_rank
+from ...layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
+from ...layers.construction import QK_NORM, full_rank
 from .forms import is_eva_attention
 
 SHARED_ROPE = (RotaryEmbeddingCat, RotaryEmbeddingDinoV3, RotaryEmbeddingMRope)  # one rope tensor for all heads

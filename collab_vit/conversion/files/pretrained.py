@@ -32,11 +32,11 @@ from safetensors.torch import load_file
 from timm.layers import Attention
 from timm.models.vision_transformer import checkpoint_filter_fn
 
-from .. import _version
-from ..layers.attention import CollaborativeAttention
-from ..weights_io import atomic_write, safetensors_writer
-from .fit import METHODS
-from .recipe import STANDARD
+from ... import _version
+from ...layers.attention import CollaborativeAttention
+from ...weights_io import atomic_write, safetensors_writer
+from ..weights.fit import METHODS
+from ..calibration.recipe import STANDARD
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 

@@ -29,15 +29,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..layers.construction import full_rank
-from ..layers.rotary import pair_angles
+from ...layers.construction import full_rank
+from ...layers.rotary import pair_angles
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .calibration import TokenMoments, Whitening, whitener
+from .whitening import TokenMoments, Whitening, whitener
 from .fit import LayerFit, output_error
-from .recipe import Builder
 from .rotary import is_rotary, layer_calls, projections, rotary_layer, rotary_like, \
     shared_order
 
@@ -406,7 +405,3 @@ def only_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
 def layer_ropes(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor) -> list[dict[str, Tensor]]:
     """The rope each layer is called with on the first of ``images`` (``Builder.calls``: it ranks the selection)."""
     return [{"rope": call[1].get("rope")} for call in layer_calls(model, layers, images[:1])]
-
-
-# the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
-ROTARY = Builder(rotary_sides, candidate_fit, layer_error, (("select", selection_fit),), weight_only, layer_ropes)

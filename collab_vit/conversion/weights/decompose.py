@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import fraction, nonnegative_int, positive_int, positive_real
-from ..layers.construction import concatenate_factors, split_qkv_heads
+from ...checks import fraction, nonnegative_int, positive_int, positive_real
+from ...layers.construction import concatenate_factors, split_qkv_heads
 
 __all__ = [
     "Decomposition",

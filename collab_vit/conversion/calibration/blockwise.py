@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .. import console
-from ..checks import nonnegative_int, positive_int, positive_real
-from ..layers.construction import parent_module
+from ... import console
+from ...checks import nonnegative_int, positive_int, positive_real
+from ...layers.construction import parent_module
 from . import state
 from .capture import _kept
 

@@ -122,4 +122,4 @@ def markdown() -> str:
     lines += [f"| {f.name} | `{f.design.model}` | `{f.attention}` | {'yes' if f.rotary else 'no'} | "
               f"{names(f.variants)} | {names(f.refused)} |" for f in FAMILIES]
     small = ", ".join(f"{k}={v}" for k, v in SMALL.items())
-    return "\n".join(lines) + f"\n\nSmall size: {small}, random weights (`collab_vit.conversion.families.SMALL`)."
+    return "\n".join(lines) + f"\n\nSmall size: {small}, random weights (`collab_vit.conversion.files.families.SMALL`)."

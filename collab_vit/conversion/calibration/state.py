@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..weights_io import atomic_write, load_safetensors, safetensors_writer
+from ...weights_io import atomic_write, load_safetensors, safetensors_writer
 
 STATE = "state.json"
 _BESIDE: ContextVar[Optional[Path]] = ContextVar("collab_vit_state_folder", default=None)

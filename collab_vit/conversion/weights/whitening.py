@@ -8,28 +8,26 @@ With ``S + lam I = Lq Lq^T`` and ``C + lam' I = Lk Lk^T`` that is ``||Lq^T E_i L
 decomposition of the whitened factors ``(Lq^T Wq_i, Lk^T Wk_i)``, mapped back by ``Lq^{-T}``, ``Lk^{-T}``.
 
 :class:`TokenMoments` streams both D x D moments batch by batch (float64 accumulators); :func:`whitener` adds the
-ridge; :func:`calibration_images` turns a tensor or a loader into checked image batches.
+ridge.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..checks import positive_real
+from ...checks import positive_real
 from .decompose import Decomposition, canonical_form, energy_spectrum, relative_error
 
 __all__ = ["DEFAULT_RIDGE", "TokenMoments", "Whitening", "whitener", "whitening", "whitened_decomposition",
-           "whitened_spectrum", "calibration_images"]
+           "whitened_spectrum"]
 
 # Ridge added to each moment, relative to its mean eigenvalue (trace / D). It makes every moment invertible (fewer
 # tokens than D, constant features, fp16 weights), and it bounds how far a direction the calibration tokens never
 # visit may be neglected: it is weighted as if it held 1 % of an average direction's energy.
 DEFAULT_RIDGE = 1e-2
-
-Calibration = Union[Tensor, Iterable]
 
 
 class TokenMoments:
@@ -167,40 +165,3 @@ def whitened_decomposition(wq: Tensor, wk: Tensor, rank: int, sides: tuple[White
     query, key, mixing = query.to(out), key.to(out), mixing.to(out)
     return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), fit.iterations), \
         fit.relative_error
-
-
-def calibration_images(calibration: Calibration, input_size: Sequence[int], batch_size: int = 64) -> Tensor:
-    """The calibration images as one (B, C, H, W) float tensor, checked against the model's ``input_size``.
-
-    ``calibration``: a (B, C, H, W) tensor, or an iterable of batches (a ``DataLoader`` yielding ``(images,
-    labels)`` or images). One-line ``ValueError`` for an empty input, a wrong shape (channels, size) or non-finite
-    pixels.
-    """
-    batches = calibration.split(batch_size) if isinstance(calibration, Tensor) else calibration
-    try:
-        iterator: Iterator = iter(batches)
-    except TypeError:
-        raise ValueError(f"calibration must be an image tensor or an iterable of batches, got "
-                         f"{type(calibration).__name__}") from None
-    kept = []
-    for batch in iterator:
-        images = batch[0] if isinstance(batch, (tuple, list)) else batch
-        _check_images(images, input_size)
-        kept.append(images.detach())
-    if not kept or sum(images.shape[0] for images in kept) == 0:
-        raise ValueError("calibration data is empty: no images")
-    return torch.cat(kept)
-
-
-def _check_images(images: object, input_size: Sequence[int]) -> None:
-    channels, height, width = input_size
-    if not isinstance(images, Tensor) or images.dim() != 4 or not images.is_floating_point():
-        raise ValueError(f"calibration images must be floating (B, C, H, W) tensors, got "
-                         f"{getattr(images, 'shape', type(images).__name__)}")
-    if images.shape[1] != channels:
-        raise ValueError(f"calibration images have {images.shape[1]} channels, the model takes {channels}")
-    if tuple(images.shape[2:]) != (height, width):
-        raise ValueError(f"calibration images are {images.shape[2]}x{images.shape[3]} px, the model takes "
-                         f"{height}x{width}")
-    if not bool(torch.isfinite(images).all()):
-        raise ValueError("calibration images contain NaN or infinite values")

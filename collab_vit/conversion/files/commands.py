@@ -19,15 +19,16 @@ import torch
 import torch.nn as nn
 
 from .spectrum import check_spectra, format_spectrum_table, layer_spectra, plot_spectra, suggest_key_dim
-from ..weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_folder, export_writer, model_pipeline,
-                          one_line, read_weights, write_folder, write_together)
-from .calibration import DEFAULT_RIDGE, calibration_images
-from .dims import KeyDimSpec, check_spec, layer_dims
-from .recipe import Recipe
+from ...weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_folder, export_writer, model_pipeline,
+                           one_line, read_weights, write_folder, write_together)
+from ..weights.whitening import DEFAULT_RIDGE
+from ..calibration.capture import calibration_images
+from ..weights.dims import KeyDimSpec, check_spec, layer_dims
+from ..calibration.recipe import Recipe
 from .record import converted_record, rebuild_problem
-from .reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
-from .rotary import is_rotary
-from .support import Support, check_model
+from ..reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
+from ..weights.rotary import is_rotary
+from ..weights.support import Support, check_model
 
 
 RANDOM = "none"  # --checkpoint none: the architecture's random initialisation (to try the tool, or offline)

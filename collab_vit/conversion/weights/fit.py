@@ -1,7 +1,7 @@
 """One attention layer fitted: a timm ``Attention`` -> a ``CollaborativeAttention`` at a key dim (section 3.3).
 
 Below ``heads x head_dim`` the per-head bilinear forms ``T_i = Wq_i Wk_i^T`` get a rank-``key_dim`` decomposition
-(``decompose``), weight-only or of the forms whitened by the tokens the layer sees (``calibration``, docs/math.md
+(``decompose``), weight-only or of the forms whitened by the tokens the layer sees (``whitening``, docs/math.md
 "Data-aware conversion"); at or above it the concatenate construction is exact. :func:`layer_from_decomposition`
 builds every converted layer; :func:`tensor_error` and :func:`output_error` measure a fitted layer against its
 source (rotary layers' tensor error: ``rotary_fit.layer_error``).
@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention
 
-from ..layers.attention import CollaborativeAttention
-from ..layers.construction import from_factors, not_convertible
-from .calibration import Whitening, whitened_decomposition
+from ...layers.attention import CollaborativeAttention
+from ...layers.construction import from_factors, not_convertible
+from .whitening import Whitening, whitened_decomposition
 from .decompose import (Decomposition, cp_decompose, exact_decomposition, parafac_decompose, relative_error,
                         split_qkv_heads, tucker_decompose)
 from .forms import keeps_form
@@ -64,7 +64,7 @@ def head_factors(attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
 def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
                   sides: Optional[tuple[Whitening, Whitening]] = None, **options) -> LayerFit:
     """``attn`` at ``key_dim``: a ``method`` decomposition (``options``: ``seed, max_iter, tol, dtype``) of its forms,
-    whitened by ``sides`` (``calibration.whitening``) when given; exact at ``key_dim >= heads x head_dim``."""
+    whitened by ``sides`` (``whitening.whitening``) when given; exact at ``key_dim >= heads x head_dim``."""
     check_method(method)
     why = attention_reason(attn) if isinstance(attn, Attention) else "not a timm Attention"
     if why is not None:  # before the decomposition

@@ -11,8 +11,8 @@ from typing import Optional, Sequence, Union
 
 import torch.nn as nn
 
-from ..checks import is_integer, is_number, positive_int
-from ..layers.construction import full_rank
+from ...checks import is_integer, is_number, positive_int
+from ...layers.construction import full_rank
 
 KeyDimSpec = Union[None, int, Sequence[int]]
 

@@ -18,14 +18,14 @@ import timm
 import torch
 import torch.nn as nn
 
-from ..layers.attention import CollaborativeAttention
-from ..layers.construction import full_rank, replace_submodule
-from ..layers.forms import RelPosBias
-from ..layers.weight_decay import exclude_mixing_from_decay
-from ..weights_io import one_line
-from .forms import COLLABORATIVE_FORM
-from .rotary import is_rotary, rotary_like
-from .support import attention_forms
+from ...layers.attention import CollaborativeAttention
+from ...layers.construction import full_rank, replace_submodule
+from ...layers.forms import RelPosBias
+from ...layers.weight_decay import exclude_mixing_from_decay
+from ...weights_io import one_line
+from ..weights.forms import COLLABORATIVE_FORM
+from ..weights.rotary import is_rotary, rotary_like
+from ..weights.support import attention_forms
 
 COLLABORATIVE_NAMES: dict[str, str] = {}  # timm source name -> the registered model its conversion is recorded as
 CONVERTED_MODEL = "collab_vit_converted"

@@ -4,20 +4,22 @@
 attention, i.e. the output of ``block.norm1`` in a ViT); the moments of the fitting images are streamed batch by
 batch (nothing but D x D sums is kept) and only the held-out images' tokens are stored.
 (Sequential capture, from the partially converted model, was measured within noise of it and removed: RESULTS.md
-(b).)
+(b).) :func:`calibration_images` turns a tensor or a loader into checked image batches.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 from timm.layers import Attention
 from torch import Tensor
 
-from .. import console
-from .calibration import TokenMoments
+from ... import console
+from ..weights.whitening import TokenMoments
 from .state import allocate
+
+Calibration = Union[Tensor, Iterable]
 
 
 def _bytes(t: Tensor) -> int:
@@ -87,3 +89,40 @@ def source_tokens(model: nn.Module, layers: list[tuple[str, Attention]], images:
         for handle in handles:
             handle.remove()
     return moments, held, sum(_bytes(t) for t in held if t is not None), torch.cat(outputs)
+
+
+def calibration_images(calibration: Calibration, input_size: Sequence[int], batch_size: int = 64) -> Tensor:
+    """The calibration images as one (B, C, H, W) float tensor, checked against the model's ``input_size``.
+
+    ``calibration``: a (B, C, H, W) tensor, or an iterable of batches (a ``DataLoader`` yielding ``(images,
+    labels)`` or images). One-line ``ValueError`` for an empty input, a wrong shape (channels, size) or non-finite
+    pixels.
+    """
+    batches = calibration.split(batch_size) if isinstance(calibration, Tensor) else calibration
+    try:
+        iterator: Iterator = iter(batches)
+    except TypeError:
+        raise ValueError(f"calibration must be an image tensor or an iterable of batches, got "
+                         f"{type(calibration).__name__}") from None
+    kept = []
+    for batch in iterator:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        _check_images(images, input_size)
+        kept.append(images.detach())
+    if not kept or sum(images.shape[0] for images in kept) == 0:
+        raise ValueError("calibration data is empty: no images")
+    return torch.cat(kept)
+
+
+def _check_images(images: object, input_size: Sequence[int]) -> None:
+    channels, height, width = input_size
+    if not isinstance(images, Tensor) or images.dim() != 4 or not images.is_floating_point():
+        raise ValueError(f"calibration images must be floating (B, C, H, W) tensors, got "
+                         f"{getattr(images, 'shape', type(images).__name__)}")
+    if images.shape[1] != channels:
+        raise ValueError(f"calibration images have {images.shape[1]} channels, the model takes {channels}")
+    if tuple(images.shape[2:]) != (height, width):
+        raise ValueError(f"calibration images are {images.shape[2]}x{images.shape[3]} px, the model takes "
+                         f"{height}x{width}")
+    if not bool(torch.isfinite(images).all()):
+        raise ValueError("calibration images contain NaN or infinite values")

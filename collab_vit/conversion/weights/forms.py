@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 from timm.layers import Attention
 
-from ..layers.construction import conversion_reason, replace_submodule
-from ..layers.forms import (CollaborativeEvaFormAttention, CollaborativeRelPosAttention, EvaFormAttention,
-                            RelPosAttention)
+from ...layers.construction import conversion_reason, replace_submodule
+from ...layers.forms import (CollaborativeEvaFormAttention, CollaborativeRelPosAttention, EvaFormAttention,
+                             RelPosAttention)
 
 COLLABORATIVE_FORM = {RelPosAttention: CollaborativeRelPosAttention, EvaFormAttention: CollaborativeEvaFormAttention}
 

@@ -20,14 +20,14 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..checks import fraction, positive_int
-from .calibration import DEFAULT_RIDGE, whitening
-from .capture import source_tokens
-from .decompose import energy_spectrum, rank_for_energy, split_qkv_heads
-from .reparam import timm_attention_layers
-from . import rotary_fit
-from .rotary import is_rotary
-from ..weights_io import atomic_write
+from ...checks import fraction, positive_int
+from ..weights.whitening import DEFAULT_RIDGE, whitening
+from ..calibration.capture import source_tokens
+from ..weights.decompose import energy_spectrum, rank_for_energy, split_qkv_heads
+from ..reparam import timm_attention_layers
+from ..weights import rotary_fit
+from ..weights.rotary import is_rotary
+from ...weights_io import atomic_write
 
 __all__ = [
     "THRESHOLDS",

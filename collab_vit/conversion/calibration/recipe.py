@@ -28,13 +28,14 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from torch import Tensor
 
-from .. import console
-from ..checks import is_integer, positive_int
-from ..layers.construction import replace_submodule
-from .calibration import DEFAULT_RIDGE, prefix_weight_for, whitening
-from .dims import REMOVED
+from ... import console
+from ...checks import is_integer, positive_int
+from ...layers.construction import replace_submodule
+from ..weights.whitening import DEFAULT_RIDGE, prefix_weight_for, whitening
+from ..weights.dims import REMOVED
 from .capture import model_outputs, prefix_tokens, source_tokens
-from .fit import LayerFit, fit_attention, tensor_error
+from ..weights.fit import LayerFit, fit_attention, tensor_error
+from ..weights import rotary_fit
 from .guard import Verdict, held_out_split, judge, per_image_kl
 from . import state
 from .blockwise import (GRAPH_BYTES, bf16_parts, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
@@ -143,7 +144,7 @@ def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
 class Builder:
     """How one kind of layer's candidates are built: the whitening of a layer's moments, the fit (``fit_attention``'s
     arguments) and the tensor error of a refined layer. None: standard attention's (this module's functions, looked
-    up when called); rotary layers: ``rotary_fit.ROTARY``."""
+    up when called); rotary layers: ``ROTARY``."""
 
     sides: Optional[Callable] = None
     fit: Optional[Callable] = None
@@ -171,6 +172,9 @@ class Builder:
 
 
 STANDARD = Builder()
+# the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
+ROTARY = Builder(rotary_fit.rotary_sides, rotary_fit.candidate_fit, rotary_fit.layer_error,
+                 (("select", rotary_fit.selection_fit),), rotary_fit.weight_only, rotary_fit.layer_ropes)
 
 
 def copies(fits: list[LayerFit]) -> list[LayerFit]:

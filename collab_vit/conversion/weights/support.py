@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 from timm.layers import Attention, AttentionPoolLatent
 
-from ..layers.attention import CollaborativeAttention, ConcatAttention
-from ..layers.construction import conversion_reason
-from ..layers.forms import EvaFormAttention, RelPosAttention
-from ..layers.weight_decay import exclude_mixing_from_decay
+from ...layers.attention import CollaborativeAttention, ConcatAttention
+from ...layers.construction import conversion_reason
+from ...layers.forms import EvaFormAttention, RelPosAttention
+from ...layers.weight_decay import exclude_mixing_from_decay
 from . import forms
 from .forms import is_beit_attention, is_eva_attention, prepare
 from .rotary import rotary_reason

@@ -1,0 +1,13 @@
+"""The calibration stage of a conversion: what reads images. The source's tokens on the calibration images, the
+candidates measured on held-out images and the guard that picks one, the blockwise refinement and its state on disk.
+Importing this package imports none of its modules.
+
+The modules, top to bottom (each imports only modules listed below it):
+
+* ``recipe``: the calibrated conversion: candidates measured on held-out images, its plan of memory, disk and time;
+  the one weight-only fit of a layer (``Builder``: standard and rotary layers).
+* ``blockwise``: each layer refined on its own, on the converted model's tokens (Fisher form of the output KL).
+* ``capture``: the calibration images checked, the tokens each layer sees.
+* ``guard``: the per-image KL; which candidate the held-out images resolve (a seeded bootstrap interval).
+* ``state``: the refinement's per-image tensors in memory-mapped files, each refined layer committed: resumable.
+"""
