@@ -159,7 +159,7 @@ def grid(args: argparse.Namespace) -> None:
             del entry["candidate"]
         row = {"source": args.name, "source_top1": reference["top1"], "source_right": reference["right"],
                "rotary": rotary, "full": full, "key_dim": key_dim, "lr": lr, "images": args.images,
-               "fit": run.source.fit, "samples": recipe.samples, "bf16": bool(args.bf16), "starts": starts,
+               "fit": run.source.fit, "samples": recipe.samples, "bf16": run.bf16, "starts": starts,
                "refined_from": base,
                "snapshots": snaps, "test_images": int(test[1].numel()), "commit": git_commit(),
                "machine": machine()}
@@ -347,8 +347,9 @@ def main() -> None:
     g.add_argument("--holdouts", nargs="+", type=int, help="the guard's held-out images (default: the package's)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=2)
-    g.add_argument("--bf16", type=int, choices=(0, 1), default=0,
-                   help="the sensitivity pass and the steps in bfloat16 autocast (Recipe.bf16; default 0: float32)")
+    g.add_argument("--bf16", type=int, choices=(0, 1), default=None,
+                   help="the sensitivity pass and the steps in bfloat16 autocast (1) or float32 (0); default: the "
+                   "package's rule on this device (recipe.bf16_native)")
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
     k = sub.add_parser("check", help="the sources in --results under the package's default alone")
     for q in (g, c, k):

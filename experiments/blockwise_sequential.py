@@ -29,7 +29,7 @@ import torch
 from blockwise_loso import FRACTIONS, packed, paired, predictions, prepared
 from runner import ROOT, git_commit, machine, write_json
 
-from collab_vit.conversion.calibration.blockwise import refine_blocks, source_outputs
+from collab_vit.conversion.calibration.blockwise import bf16_parts, refine_blocks, source_outputs
 from collab_vit.conversion.calibration.recipe import (DEFAULT_IMAGES, ROTARY, STANDARD, Candidate, Recipe, RecipeRun,
                                                       choose, copies, refine_steps)
 from collab_vit.conversion.reparam import timm_attention_layers
@@ -67,8 +67,9 @@ def on_source_tokens(run: RecipeRun, base: Candidate, steps: int) -> Candidate:
     fits = copies(base.fits)
     r = run.recipe
     calls = run.cached_calls(every_layer=True)
-    result = refine_blocks(run.originals, [f.layer for f in fits], calls, steps, r.refine_lr, r.batch_size, run.seed,
-                           progress=False)
+    with bf16_parts(run.bf16):  # the package's precision for its steps
+        result = refine_blocks(run.originals, [f.layer for f in fits], calls, steps, r.refine_lr, r.batch_size,
+                               run.seed, progress=False)
     run.tensor_errors(fits)
     return run.measure(Candidate(f"{base.name}+blocks", fits, refine={"steps": steps, "seconds": result.seconds}))
 
@@ -86,8 +87,9 @@ def sequential(run: RecipeRun, base: Candidate, steps: int, compensate: bool = T
         if index == 0:  # nothing converted before the first layer: its tokens are the source's
             assert torch.equal(converted[0], call[0])
         towards = Fixed(source_outputs(source, call, r.batch_size, torch.device("cpu"))) if compensate else source
-        result = refine_blocks([towards], [fitted.layer], [converted], steps, r.refine_lr, r.batch_size,
-                               run.seed + index, progress=False)  # the seed the package gives layer ``index``
+        with bf16_parts(run.bf16):  # the package's precision and the seed it gives layer ``index``
+            result = refine_blocks([towards], [fitted.layer], [converted], steps, r.refine_lr, r.batch_size,
+                                   run.seed + index, progress=False)
         seconds += result.seconds
     run.tensor_errors(fits)
     return run.measure(Candidate(f"{base.name}+blocks", fits, refine={"steps": steps, "seconds": seconds}))

@@ -81,7 +81,7 @@ def autocast_on(device: torch.device) -> bool:
 def bf16_native(device: torch.device) -> bool:
     """The device's rule for the refinement's costly parts (``blockwise.bf16_parts``): bfloat16 autocast where the
     device multiplies bfloat16 natively (CUDA with bfloat16; a CPU with AVX512-BF16 or AMX), float32 elsewhere
-    (RESULTS.md (b), "At a fixed compute": top-1 unchanged on the Fashion-MNIST sources, 1.6x on DeiT-B's parts)."""
+    (RESULTS.md (b), "At a fixed compute": its effect on top-1 and on DeiT-B's time)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
@@ -262,7 +262,8 @@ class RecipeRun:
                  method: str = "tucker", seed: int = 0, builder: Builder = STANDARD, progress: bool = False) -> None:
         self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
         self.builder, self.originals = builder, [attn for _, attn in layers]
-        self.bf16 = bf16_of(recipe, next(model.parameters()).device)
+        first = next(model.parameters())  # bfloat16 parts for a float32 model (float64 ones stay exact)
+        self.bf16 = bf16_of(recipe, first.device) and first.dtype == torch.float32
         self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16}, method, seed,
                                                    type(builder.fit).__name__ if builder.fit else "standard"))
         try:
@@ -368,7 +369,7 @@ class RecipeRun:
 
 
 # the parts' seconds per image in forward passes of the source (``Plan.seconds``), measured end to end on DeiT-B on
-# a 2-core CPU (benchmarks/data_aware_bench.md, 2026-12-07): the capture 1 and each held-out measure 1 (a float32
+# a 2-core CPU (benchmarks/data_aware_bench.md, bfloat16 parts): the capture 1 and each held-out measure 1 (a float32
 # forward); the converted tokens, the source layer's outputs and the mean losses of every layer 3.4 (float32); in
 # forwards of the parts' precision (bfloat16 where ``bf16_native``), the sensitivity pass 1 + 1.4 per class drawn and
 # a pass of every layer's steps 1.9
@@ -426,8 +427,10 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     check_space(disk, memory, advice=advice)
     n, fit = images.shape[0], split(images.shape[0], recipe.holdout)
     passes = steps * recipe.batch_size / fit if steps else 0.0
-    device = next(model.parameters()).device
-    forward, parts = timed_forward(model, images[:8].to(device), bf16_of(recipe, device))
+    first = next(model.parameters())
+    device = first.device
+    forward, parts = timed_forward(model, images[:8].to(device),
+                                   bf16_of(recipe, device) and first.dtype == torch.float32)
     c = COST
     seconds = forward * (n * c["capture"] + (n - fit or n) * (starts + 1) + (fit * c["replay"] if steps else 0))
     seconds += parts * fit * (c["sensitivity"] + c["per_class"] * recipe.samples + c["step"] * passes) if steps else 0
