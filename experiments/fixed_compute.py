@@ -76,18 +76,19 @@ def recipe_name(recipe: tuple) -> str:
     return f"{images} x {passes}, {'bfloat16' if bf16 else 'float32'}"
 
 
-def choose(cells: dict[tuple, dict], budget: float) -> list[str]:
-    """``choice.md``'s lines: the recipe chosen leaving each source out, and what it gives that source."""
+def choose(cells: dict[tuple, dict], budget: float, bf16: bool) -> list[str]:
+    """``choice.md``'s lines: the recipe (images and passes; its parts in the precision the device's rule gives,
+    ``bf16``) chosen leaving each source out, and what it gives that source."""
     sources = sorted({k[0] for k in cells})
     dims = {s: sorted({k[1] for k in cells if k[0] == s}) for s in sources}
-    recipes = sorted({k[2:] for k in cells if seconds(*k[2:]) <= budget})
+    recipes = sorted({k[2:] for k in cells if seconds(*k[2:]) <= budget and k[4] == bf16})
 
     def gain(source: str, recipe: tuple) -> float | None:
         found = [cells.get((source, d, *recipe)) for d in dims[source]]
         return None if None in found else fmean(paired(c["right"], c["weight"])[0] for c in found)
 
-    lines = [f"Within {budget:.0f} DeiT-B seconds; each source's recipe chosen on the others (best mean top-1 gain "
-             "over weight-only, both key dims).", "",
+    lines = [f"Within {budget:.0f} DeiT-B seconds, {'bfloat16' if bf16 else 'float32'} parts; each source's recipe "
+             "chosen on the others (best mean top-1 gain over weight-only, both key dims).", "",
              "| left out | recipe chosen on the others | DeiT-B s | key dim | vs weight-only | vs old default |",
              "|---|---|---:|---:|---:|---:|"]
     for left in sources:
@@ -115,6 +116,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=Path("results/fixed_compute"))
     p.add_argument("--budget", type=float, default=40 * WEIGHT_ONLY, help="DeiT-B seconds (default: 40 x weight-only)")
+    p.add_argument("--bf16", type=int, choices=(0, 1), default=1,
+                   help="the parts' precision of the recipes chosen among (the device's rule; 1: bfloat16 units)")
     args = p.parse_args()
     cells = load(args.results)
     lines = ["| source | key dim | recipe | DeiT-B s | vs source | vs weight-only | vs old default |",
@@ -139,7 +142,7 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.results / "compute.png", dpi=120)
     (args.results / "table.md").write_text("\n".join(lines) + "\n")
-    choice = choose(cells, args.budget)
+    choice = choose(cells, args.budget, bool(args.bf16))
     (args.results / "choice.md").write_text("\n".join(choice) + "\n")
     print("\n".join(lines + [""] + choice))
 
