@@ -16,7 +16,7 @@ from .checks import positive_int
 from .console import run_command
 from .conversion.weights.dims import REMOVED
 from .conversion.files.families import family_names_short
-from .conversion.calibration.recipe import EFFORTS, IMAGES, check_effort
+from .conversion.calibration.recipe import DEFAULT_IMAGES, EFFORTS, IMAGES, PASSES, check_effort
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
 from .models_rope import ROPE_MODELS, ROPE_SIZES, ROPE_VARIANTS
@@ -242,9 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "refinement on it: cpu, cuda, cuda:1 (default: cuda where one is available, as train.py)")
     data = add_calibration_flags(convert, "the recommended recipe")
     data.add_argument("--effort", default="default", metavar="{" + ",".join(EFFORTS) + "}",
-                      help="fast: closed forms only; default: the better one refined layer by layer (8 passes over "
-                      "640 images: sized for DeiT-B on a CPU); full: 16 passes over 2048 images (about "
-                      "4x the default's compute: the default before, for a GPU or the time)")
+                      help=f"fast: closed forms only; default: the better one refined layer by layer "
+                      f"({PASSES['default']} passes over {DEFAULT_IMAGES} images: sized for DeiT-B on a CPU); full: "
+                      f"{PASSES['full']} passes over {IMAGES['full']} images (about 6x the default's compute: the "
+                      "default before, for a GPU or the time)")
     convert.set_defaults(run=_convert)
 
     analyze = commands.add_parser("analyze", help="per-layer key/query redundancy spectrum and its plot",

@@ -50,7 +50,7 @@ from .blockwise import (GRAPH_BYTES, bf16_parts, cache_bytes, check_space, conve
 EFFORTS: dict[str, str] = {"fast": "", "default": "blocks", "full": "blocks"}
 # each effort's blockwise passes over the fitting images (steps per layer = passes x images / batch)
 PASSES: dict[str, int] = {"default": 8, "full": 16}
-DEFAULT_IMAGES = 640  # calibration images the command draws by default (fast and default; ``IMAGES``)
+DEFAULT_IMAGES = 768  # calibration images the command draws by default (fast and default; ``IMAGES``)
 IMAGES: dict[str, int] = {"fast": DEFAULT_IMAGES, "default": DEFAULT_IMAGES, "full": 2048}
 MAX_HOLDOUT = 256  # the guard's held-out images at most (64 before issue 40's leave-one-source-out choice)
 STARTS = ("weight", "whitened")
