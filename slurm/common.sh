@@ -116,3 +116,40 @@ train_job() {
     fi
     return "$status"
 }
+
+# `collab-vit convert "$@"` (--out OUT among them) as one job step on this task's CPUs, its log in OUT's folder/logs,
+# on the job's GPU where it has one (--device defaults to cuda there). Slurm's warning signal (USR1: the time limit is
+# near) or a preemption's SIGTERM stops the conversion at once (its finished layers stay committed in OUT.partial) and
+# requeues the job: the same command then resumes where it stopped and ends with an uninterrupted run's weights.
+# Sets CONVERT_REQUEUED=1 when it requeued; returns the conversion's exit status.
+convert_job() {
+    local out="" args=("$@") i
+    for (( i = 0; i < ${#args[@]}; i++ )); do
+        [[ ${args[i]} == --out ]] && out=${args[i + 1]:-}
+        [[ ${args[i]} == --out=* ]] && out=${args[i]#--out=}
+    done
+    [[ -n $out ]] || { echo "error: collab-vit convert needs --out OUT" >&2; exit 2; }
+    mkdir -p "$(dirname "$out")/logs"
+    local threads=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}} cpus=()
+    [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    CONVERT_REQUEUED=0  # read by the caller
+    local stop=0
+    srun --nodes=1 --ntasks=1 "${cpus[@]}" --open-mode=append --output="$(dirname "$out")/logs/%x-%j-convert.log" \
+        env OMP_NUM_THREADS="$threads" "$PYTHON" -m collab_vit.cli convert "$@" &
+    local pid=$! status=0
+    trap 'stop=1; echo "$(date -Is) job ${SLURM_JOB_ID:-}: SIGUSR1, stopping the conversion"; kill -TERM "$pid" || true' USR1
+    trap 'stop=1; echo "$(date -Is) job ${SLURM_JOB_ID:-}: SIGTERM, stopping the conversion"; kill -TERM "$pid" || true' TERM
+    while true; do
+        wait "$pid" && status=0 || status=$?
+        kill -0 "$pid" 2>/dev/null || break  # otherwise wait was interrupted by a trap: keep waiting
+    done
+    trap - USR1 TERM
+    if (( stop )) && [[ -d $out.partial || ! -e $out ]]; then
+        echo "$(date -Is) job ${SLURM_JOB_ID:-}: requeueing; the same command resumes from $out.partial"
+        # shellcheck disable=SC2034  # read by the caller
+        CONVERT_REQUEUED=1
+        scontrol requeue "$SLURM_JOB_ID"
+        return 0
+    fi
+    return "$status"
+}

@@ -17,6 +17,7 @@ import pytest
 import timm
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from collab_vit.training.checkpoint import load_checkpoint
 from collab_vit.weights_io import read_weights
@@ -24,7 +25,8 @@ from collab_vit.training.config import build_config
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.training.trainer import train
 
-from tinyrun import ROOT, tiny_data, tiny_overrides  # noqa: F401  (tiny_data is a fixture)
+from test_calibration_cli import exported
+from tinyrun import ROOT, make_image_folder, tiny_data, tiny_overrides  # noqa: F401  (tiny_data is a fixture)
 
 CLUSTER = os.path.join(ROOT, 'tests', 'slurm', 'cluster.sh')
 SLURM_DIR = os.environ.get('SLURM_TEST_DIR', '/tmp/collab-vit-slurm')
@@ -198,6 +200,54 @@ def test_convert_job_writes_a_collaborative_checkpoint(slurm, tmp_path):
     assert meta['model_name'] == 'collab_deit_tiny_patch16_224' and (out.parent / 'logs').is_dir()
 
 
+# Imported first by the job's Python (PYTHONPATH): the second layer's refinement of the first run waits (until the
+# job's signal stops it), so that Slurm's warning arrives after exactly one committed layer
+PAUSE_SECOND_LAYER = """
+import os, time
+from collab_vit.conversion.calibration import blockwise
+real, started = blockwise.refine_layer, []
+
+def pausing(*args, **kwargs):
+    if started and int(os.environ.get('SLURM_RESTART_COUNT', '0')) == 0:
+        open(os.environ['PAUSED_FILE'], 'w').close()
+        time.sleep(300)
+    started.append(1)
+    return real(*args, **kwargs)
+
+blockwise.refine_layer = pausing
+"""
+
+
+def test_convert_job_stopped_by_the_warning_signal_requeues_and_resumes(slurm, tmp_path):
+    """slurm/convert.sbatch, calibrated: Slurm's time-limit warning (USR1) after the first refined layer stops the
+    conversion, the job requeues itself and the same command resumes from <out>.partial, ending with the weights of an
+    uninterrupted run, bit for bit (one CPU thread each)."""
+    data = make_image_folder(tmp_path / 'data', classes=4, train_per_class=40, val_per_class=1, size=12)
+    args = ['--checkpoint', exported(tmp_path), '--key-dim', '6', '--calibration-data-dir', str(data),
+            '--calibration-images', '96']
+    whole = subprocess.run([sys.executable, '-m', 'collab_vit.cli', 'convert', *args, '--out',
+                            str(tmp_path / 'whole.safetensors')], env=slurm, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    (tmp_path / 'hook').mkdir()
+    (tmp_path / 'hook' / 'sitecustomize.py').write_text(PAUSE_SECOND_LAYER)
+    out, paused = tmp_path / 'converted' / 'k6.safetensors', tmp_path / 'paused'
+    job = sbatch(slurm, 'convert.sbatch', *args, '--out', str(out), options=(f'--output={tmp_path}/%x-%j.out',),
+                 extra_env={'PYTHONPATH': str(tmp_path / 'hook'), 'PAUSED_FILE': str(paused)})
+    wait_until(paused.exists, 180, 'the second layer of the first run')
+    assert list(json.loads((tmp_path / 'converted' / 'k6.safetensors.partial' / 'state.json').read_text())['layers']) \
+        == ['0']
+    subprocess.run(['scancel', '--batch', '--signal=USR1', job], env=slurm, check=True)
+    info = wait_for_end(slurm, job)
+    log = (tmp_path / f'collab-vit-convert-{job}.out').read_text()
+    assert info['JobState'] == 'COMPLETED' and info['Restarts'] == '1', log
+    assert 'SIGUSR1, stopping the conversion' in log and 'requeueing; the same command resumes' in log
+    converted = ''.join(p.read_text() for p in (out.parent / 'logs').glob('*-convert.log'))
+    assert 'resuming: 1 of 2 layers refined by a stopped run of this command' in converted
+    assert not (tmp_path / 'converted' / 'k6.safetensors.partial').exists()
+    expected, got = load_file(str(tmp_path / 'whole.safetensors')), load_file(str(out))
+    assert expected.keys() == got.keys() and all(expected[k].equal(got[k]) for k in expected)
+
+
 # A standard DeiT far below DeiT-B's size, with its own class count: the source of the post-hoc array at tiny size
 POSTHOC_SOURCE = dict(img_size=32, patch_size=8, depth=1, embed_dim=48, num_heads=3, num_classes=3)
 POSTHOC_FINETUNE = ('--epochs', '1', '--batch-size', '4', '--lr-base-batch', '4', '--num-workers', '0', '--pin-memory',
@@ -236,7 +286,8 @@ def test_posthoc_array_converts_evaluates_finetunes_and_continues(slurm, tiny_da
         return [(tmp_path / f'{name}-{task}.out').read_text() for task in range(3)]
 
     logs = submit('convert', warn_task=1, POSTHOC_CONVERT_ONLY='1')
-    assert 'SIGUSR1: requeueing' in logs[1] and logs[1].count('tucker_k8: converting') == 2  # requeued, converted again
+    assert 'SIGUSR1, stopping the conversion' in logs[1] and 'requeueing; the same command resumes' in logs[1]
+    assert logs[1].count('tucker_k8: converting') == 2  # requeued, converted again
     for task, (cell, key_dim) in enumerate(cells.items()):
         conversion = json.loads((root / cell / 'converted.json').read_text())
         assert conversion['method'] == 'tucker' and conversion['model_kwargs'] == {**POSTHOC_SOURCE, 'key_dim': [key_dim]}
