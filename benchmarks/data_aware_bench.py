@@ -40,7 +40,7 @@ import timm
 import torch
 
 from collab_vit.conversion.calibration.blockwise import (bf16_parts, cache_bytes, enclosing, inputs_at, layer_inputs,
-                                                         refine_blocks, replay)
+                                                         refine_blocks, replay, resident_bytes)
 from collab_vit.conversion.calibration.recipe import DEFAULT_IMAGES, Recipe, bf16_of, refine_steps, split
 from collab_vit.conversion.reparam import convert_model, timm_attention_layers
 
@@ -73,11 +73,8 @@ def parts(source: torch.nn.Module, originals: list, batch: torch.Tensor, layer: 
 def tree_resident(pid: int) -> int:
     """``RssAnon + RssShmem`` of process ``pid`` and its descendants, bytes (the page cache of files they map, such as
     the conversion's state files, is not theirs)."""
-    total, children = 0, []
+    total, children = resident_bytes(pid), []
     try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        total = sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/children") as f:
                 children += [int(c) for c in f.read().split()]
@@ -178,7 +175,7 @@ def main() -> None:
     model = copy.deepcopy(source)
     convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, recipe)
     layer = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"][-1]
-    bf16 = bf16_of(recipe, device)  # the precision of the parts the command runs here
+    bf16 = bf16_of(recipe, source)  # the precision of the parts the command runs here
     per_image, per_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, bf16)
     block = enclosing(model, layer)
     inputs = inputs_at(model, block, batch, 16)

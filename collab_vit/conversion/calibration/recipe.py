@@ -248,9 +248,13 @@ def amp_of(recipe: Recipe, device: torch.device) -> bool:
     return autocast_on(device) if recipe.amp is None else bool(recipe.amp)
 
 
-def bf16_of(recipe: Recipe, device: torch.device) -> bool:
-    """``recipe.bf16`` where an experiment set it, else the device's rule (``bf16_native``)."""
-    return bf16_native(device) if recipe.bf16 is None else bool(recipe.bf16)
+def bf16_of(recipe: Recipe, model: nn.Module) -> bool:
+    """Whether the refinement's costly parts run in bfloat16 for ``model``: only for a float32 model (float64 ones stay
+    exact), then ``recipe.bf16`` where an experiment set it, else the device's rule (``bf16_native``)."""
+    first = next(model.parameters())
+    if first.dtype != torch.float32:
+        return False
+    return bf16_native(first.device) if recipe.bf16 is None else bool(recipe.bf16)
 
 
 class RecipeRun:
@@ -262,8 +266,7 @@ class RecipeRun:
                  method: str = "tucker", seed: int = 0, builder: Builder = STANDARD, progress: bool = False) -> None:
         self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
         self.builder, self.originals = builder, [attn for _, attn in layers]
-        first = next(model.parameters())  # bfloat16 parts for a float32 model (float64 ones stay exact)
-        self.bf16 = bf16_of(recipe, first.device) and first.dtype == torch.float32
+        self.bf16 = bf16_of(recipe, model)
         self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16}, method, seed,
                                                    type(builder.fit).__name__ if builder.fit else "standard"))
         try:
@@ -427,10 +430,8 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     check_space(disk, memory, advice=advice)
     n, fit = images.shape[0], split(images.shape[0], recipe.holdout)
     passes = steps * recipe.batch_size / fit if steps else 0.0
-    first = next(model.parameters())
-    device = first.device
-    forward, parts = timed_forward(model, images[:8].to(device),
-                                   bf16_of(recipe, device) and first.dtype == torch.float32)
+    device = next(model.parameters()).device
+    forward, parts = timed_forward(model, images[:8].to(device), bf16_of(recipe, model))
     c = COST
     seconds = forward * (n * c["capture"] + (n - fit or n) * (starts + 1) + (fit * c["replay"] if steps else 0))
     seconds += parts * fit * (c["sensitivity"] + c["per_class"] * recipe.samples + c["step"] * passes) if steps else 0
