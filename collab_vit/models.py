@@ -44,6 +44,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrai
 
 from .conversion.files.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 from .conversion.files.record import COLLABORATIVE_NAMES, CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
+from .conversion.weights.dims import REMOVED
 from .checks import positive_int
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class, per_block_attention_class
 from .layers.weight_decay import CollabVisionTransformer
@@ -200,8 +201,8 @@ def _create(
     """Build a DeiT-style ViT whose blocks use ``attn_base`` with ``key_dim`` (one, or one per block).
 
     ``kwargs`` are timm's ``VisionTransformer`` arguments plus ``key_dim``, ``mixing_init`` (collaborative only),
-    ``conversion_method`` and ``conversion_options`` (how ``pretrained`` standard-attention weights are converted:
-    "tucker", "cp" or "parafac", with decomposition options such as ``seed``, ``max_iter``, ``tol``).
+    ``conversion_options`` (how ``pretrained`` standard-attention weights are converted by the Tucker fit of section 3.3:
+    ``max_iter``, ``tol``, ``dtype``); ``conversion_method`` accepts only its one value, "tucker".
     """
     file_read = kwargs.pop("file_read", False)  # collab_vit_generic read the file's keywords itself
     if pretrained:
@@ -215,6 +216,8 @@ def _create(
         raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {model_name(parts.size, parts.family)} for "
                          f"key_dim={key_dim}")
     method = kwargs.pop("conversion_method", "tucker")
+    if method != "tucker":  # "cp" and "parafac" left the public surface (issue 54)
+        raise ValueError(f"conversion_method={method!r}: {REMOVED['method']}")
     options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
     if isinstance(key_dim, (list, tuple)):

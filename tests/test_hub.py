@@ -60,7 +60,7 @@ SMALL = dict(embed_dim=64, num_heads=4)
 CONVERTED = "collab_vit_converted"
 CASES = {  # model, the architecture the folder must name
     "registered, per-layer key dims": (
-        lambda: perturbed(timm.create_model("collab_deit_tiny_patch16_224", key_dim=[48, 96], conversion_method="cp",
+        lambda: perturbed(timm.create_model("collab_deit_tiny_patch16_224", key_dim=[48, 96],
                                             conversion_options=dict(dtype=torch.float64), **TINY)),
         "collab_deit_tiny_patch16_224"),  # how standard weights would convert on load: not recorded
     "timm DeiT converted": (lambda: converted("deit_tiny_patch16_224", key_dim=[32, 48], **SMALL),

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import timm
 import torch
 
 import collab_vit
@@ -62,7 +63,6 @@ def test_a_saved_config_with_the_old_default_still_reads(tmp_path):
 
 
 def tiny() -> torch.nn.Module:
-    import timm
     torch.manual_seed(0)
     return timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, embed_dim=48, num_heads=3,
                              num_classes=3).eval()
@@ -78,7 +78,10 @@ def tiny() -> torch.nn.Module:
      REMOVED["method"]),
     (lambda m: collab_vit.reparametrize_attention(m.blocks[0].attn, 0.9), ValueError, REMOVED["threshold"]),
     (lambda m: collab_vit.reparametrize(m, 8, bogus=1), TypeError, "unexpected keyword arguments ['bogus']"),
-], ids=["method", "budget", "threshold", "thorough", "attention-method", "attention-threshold", "unknown"])
+    (lambda m: timm.create_model("collab_deit_tiny_patch16_224", conversion_method="cp"), ValueError,
+     REMOVED["method"]),
+], ids=["method", "budget", "threshold", "thorough", "attention-method", "attention-threshold", "unknown",
+        "model-kwarg-method"])
 def test_a_removed_argument_names_its_replacement(call, error, message):
     """Removed before any weight changes: the model is as it was."""
     model = tiny()

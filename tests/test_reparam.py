@@ -160,14 +160,14 @@ def test_convert_cli_file_round_trip(deit_tiny_file: str, tmp_path) -> None:
 
 def test_pretrained_tag_converts_on_load_and_caches(deit_tiny_file: str, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
-    kwargs = dict(pretrained=True, key_dim=64, conversion_method="cp", pretrained_cfg_overlay=dict(file=deit_tiny_file))
+    kwargs = dict(pretrained=True, key_dim=64, pretrained_cfg_overlay=dict(file=deit_tiny_file))
     first = timm.create_model("collab_deit_tiny_patch16_224", **kwargs)
     cached = list((tmp_path / "torch_home").rglob("*.safetensors"))
-    assert len(cached) == 1 and "collab_vit" in str(cached[0]) and cached[0].name.endswith("_cp.safetensors")
+    assert len(cached) == 1 and "collab_vit" in str(cached[0]) and cached[0].name.endswith("_tucker.safetensors")
     second = timm.create_model("collab_deit_tiny_patch16_224", **kwargs)
     source = timm.create_model("deit_tiny_patch16_224", pretrained=True,
                                pretrained_cfg_overlay=dict(file=deit_tiny_file))
-    convert(expected := source, 64, "cp")
+    convert(expected := source, 64, "tucker")
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         reference = expected.eval()(x)

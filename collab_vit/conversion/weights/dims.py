@@ -24,7 +24,8 @@ REMOVED: dict[str, str] = {
                  "parameters on two sources: RESULTS.md (b)); give --key-dim K or a per-layer list (collab-vit "
                  "analyze --threshold suggests K)",
     "method": "the decomposition method is no longer an option: every conversion uses Tucker (cp measured slower, "
-              "157.6 s against 56.2 s on DeiT-B: docs/performance.md); drop --method (method= in Python)",
+              "157.6 s against 56.2 s on DeiT-B: docs/performance.md); drop --method (method= and conversion_method= in "
+              "Python)",
     "thorough": "effort 'thorough' (the whole-model refinement) was removed (better in one cell at about 20x the "
                 "default's compute: RESULTS.md (b)); use the default effort (the blockwise refinement) or 'fast'",
     "reparametrize_layers": "reparametrize_layers was removed: use collab_vit.reparametrize(model, key_dim, "
