@@ -437,3 +437,43 @@ def test_the_recipe_holds_the_first_layers_tokens_alone() -> None:
     assert calls[0][0].shape[0] == 18 and [c[0] for c in calls[1:]] == [None]
     every = run.cached_calls(every_layer=True)
     assert all(c[0].shape[0] == 18 for c in every) and torch.equal(every[1][3], calls[1][3])
+
+
+# ``collab-vit convert`` with the device's rule forced (a CPU without bfloat16 takes the float32 parts, one with it the
+# bfloat16 ones): the suite covers both routes through the command on any CPU
+FORCED = """
+import sys
+from collab_vit.conversion.calibration import recipe
+forced = sys.argv.pop(1) == "1"
+recipe.bf16_native = lambda device: forced
+from collab_vit.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("family", ["DeiT", "EVA-02", "RoPE-ViT"])
+def test_the_command_refines_in_the_precision_the_device_rule_gives(family, tmp_path) -> None:
+    """Through ``collab-vit convert`` in a process of its own, a standard and two rotary families, the rule forced
+    each way: the conversion finishes, refining in that precision (the file's record says which), and the converted
+    weights stay float32. (Random sources: the losses are about zero, so only the route is checked here;
+    ``test_bf16_steps_inside_the_recipe_follow_the_updated_weights`` checks what the bfloat16 steps do.)"""
+    import json
+    import sys
+
+    import warmstart
+    from collab_vit.conversion.files.families import FAMILIES
+    from safetensors.torch import load_file
+    from test_every_command import ENV, source_flags
+    from tinyrun import make_image_folder
+
+    design = next(f.design for f in FAMILIES if f.name == family)
+    data = make_image_folder(tmp_path / "data", classes=4, train_per_class=12, val_per_class=1, size=16)
+    for forced in (True, False):
+        out = tmp_path / f"bf16_{int(forced)}.safetensors"
+        done = warmstart.run([sys.executable, "-c", FORCED, str(int(forced)), "convert", *source_flags(design),
+                              "--key-dim", "16", "--out", str(out), "--calibration-data-dir", str(data),
+                              "--calibration-images", "48"], tmp_path, {**os.environ, **ENV})
+        assert done.code == 0, done.why()
+        calibration = json.loads(out.with_suffix(".json").read_text())["calibration"]
+        assert calibration["bf16"] is forced and "weight+blocks" in calibration["candidates"], calibration
+        assert all(t.dtype == torch.float32 for t in load_file(str(out)).values() if t.is_floating_point())

@@ -521,7 +521,7 @@ def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verd
         else "the fitting images (one image)",
         "effort": effort, "candidate_key_dims": {c.name: [f.key_dim for f in c.fits] for c in found.values()},
         "prefix_weight": run.prefix_weight, "ridge": recipe.ridge,
-        "amp": amp_of(recipe, next(run.model.parameters()).device), "refine_images": source.inputs.shape[0],
+        "amp": amp_of(recipe, next(run.model.parameters()).device), "bf16": run.bf16, "refine_images": source.inputs.shape[0],
         "peak_token_bytes": source.peak, "capture_seconds": source.seconds, "refine_steps": steps,
         "candidates": {c.name: c.held_kl for c in found.values()}, "chosen": best.name,
         "held_out_kl": best.held_kl,
