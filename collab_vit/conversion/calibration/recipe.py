@@ -411,8 +411,8 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     # the estimate was 0.8 GiB below the measured peak, RESULTS.md "DeiT-B conversion cost")
     fixed = resident_bytes() + weights + 3 * min(GRAPH_BYTES, saved_per_image(model, images[:2]) * recipe.batch_size)
 
-    def needs(m: int) -> tuple[int, int]:
-        return split(m, recipe.holdout) * per_image if steps else 0, m * images[0].numel() * 4 + fixed
+    def needs(m: int) -> tuple[int, int]:  # the images twice: the caller's and ``capture``'s copy in the split's order
+        return split(m, recipe.holdout) * per_image if steps else 0, 2 * m * images[0].numel() * 4 + fixed
 
     def fits(m: int, free: int, available: int) -> bool:
         try:
