@@ -48,7 +48,7 @@ from collab_vit.cli import calibration_loader
 from collab_vit.conversion.calibration.blockwise import mean_loss, source_outputs
 from collab_vit.conversion.calibration.capture import calibration_images
 from collab_vit.conversion.files.commands import load_source
-from collab_vit.conversion.calibration.recipe import (IMAGES, PASSES, ROTARY, STANDARD, Candidate, Recipe, RecipeRun,
+from collab_vit.conversion.calibration.recipe import (IMAGES, PASSES, ROTARY, SAMPLES, STANDARD, Candidate, Recipe, RecipeRun,
                                                       choose, copies, split)
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
 from collab_vit.conversion.weights.rotary import is_rotary
@@ -144,7 +144,7 @@ def grid(args: argparse.Namespace) -> None:
         if path.exists():
             continue
         model = copy.deepcopy(source).eval()
-        recipe = Recipe(refine_lr=lr, holdout=holdout, bf16=args.bf16)
+        recipe = Recipe(refine_lr=lr, holdout=holdout, bf16=args.bf16, samples=args.samples or SAMPLES)
         run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed,
                         ROTARY if rotary else STANDARD)
         dims = [key_dim] * len(run.layers)
@@ -350,6 +350,8 @@ def main() -> None:
     g.add_argument("--bf16", type=int, choices=(0, 1), default=None,
                    help="the sensitivity pass and the steps in bfloat16 autocast (1) or float32 (0); default: the "
                    "package's rule on this device (recipe.bf16_native)")
+    g.add_argument("--samples", type=int, default=None,
+                   help="classes drawn per image for the sensitivities (default: the package's, recipe.SAMPLES)")
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
     k = sub.add_parser("check", help="the sources in --results under the package's default alone")
     for q in (g, c, k):

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # blockwise_loso besid
 from blockwise_loso import unpacked  # noqa: E402
 from runner import figure  # noqa: E402
 
-from collab_vit.conversion.calibration.recipe import split  # noqa: E402
+from collab_vit.conversion.calibration.recipe import COST, SAMPLES, split  # noqa: E402
 
-OLD = (2048, 16, False)  # the default before issue 56: images, passes, bfloat16 parts
+OLD = (2048, 16, False, SAMPLES)  # the default before issue 56: images, passes, bfloat16 parts, classes per image
 # DeiT-B seconds per image on the 2-core AMD EPYC (AVX512-BF16), measured end to end (benchmarks/data_aware_bench.md,
 # 2026-12-07; recipe.COST): a float32 forward pass (the capture, each held-out measure), the converted tokens, source
 # outputs and mean losses of every layer, the sensitivity pass with SAMPLES classes, one pass of every layer's steps;
@@ -43,11 +43,14 @@ FIXED = 200.0
 WEIGHT_ONLY = 62.0  # the weight-only conversion in the same run: the budget is 40 times it
 
 
-def seconds(images: int, passes: int, bf16: bool, held_measures: int = 3) -> float:
-    """DeiT-B seconds of the recipe at ``images`` and ``passes`` (``bf16``: its costly parts in bfloat16)."""
+def seconds(images: int, passes: int, bf16: bool, samples: int = SAMPLES, held_measures: int = 3) -> float:
+    """DeiT-B seconds of the recipe at ``images`` and ``passes`` (``bf16``: its costly parts in bfloat16), ``samples``
+    classes drawn per image (the sensitivity pass scaled as ``recipe.COST``: 1 + 1.4 per class)."""
     fit, c = split(images, None), PARTS[bf16]
+    sensitivity = c["sensitivity"] * (COST["sensitivity"] + COST["per_class"] * samples) / (
+        COST["sensitivity"] + COST["per_class"] * SAMPLES)
     return FIXED + c["forward"] * (images + (images - fit) * held_measures) + fit * (
-        c["sensitivity"] + c["replay"] + c["step"] * passes)
+        sensitivity + c["replay"] + c["step"] * passes)
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
@@ -57,8 +60,8 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 
 def load(results: Path) -> dict[tuple, dict]:
-    """Every snapshot of the grids under ``results``: (source, key dim, images, passes, bf16) -> its test outcomes,
-    the source's and the weight-only fit's."""
+    """Every snapshot of the grids under ``results``: (source, key dim, images, passes, bf16, samples) -> its test
+    outcomes, the source's and the weight-only fit's."""
     cells: dict[tuple, dict] = {}
     for path in sorted(results.glob("*/k*.json")):
         row = json.loads(path.read_text())
@@ -66,19 +69,21 @@ def load(results: Path) -> dict[tuple, dict]:
         source = unpacked({"right": row["source_right"]}, n)
         weight = unpacked(row["starts"]["weight"], n)
         for snap in row["snapshots"]:
-            key = (row["source"].split("-n")[0], row["key_dim"], row["images"], snap["passes"], row.get("bf16", False))
+            key = (row["source"].split("-n")[0], row["key_dim"], row["images"], snap["passes"], row.get("bf16", False),
+                   row["samples"])
             cells[key] = {"right": unpacked(snap, n), "source": source, "weight": weight}
     return cells
 
 
 def recipe_name(recipe: tuple) -> str:
-    images, passes, bf16 = recipe
-    return f"{images} x {passes}, {'bfloat16' if bf16 else 'float32'}"
+    images, passes, bf16, samples = recipe
+    classes = "" if samples == SAMPLES else f", {samples} classes"
+    return f"{images} x {passes}, {'bfloat16' if bf16 else 'float32'}{classes}"
 
 
 def choose(cells: dict[tuple, dict], budget: float, bf16: bool) -> list[str]:
-    """``choice.md``'s lines: the recipe (images and passes; its parts in the precision the device's rule gives,
-    ``bf16``) chosen leaving each source out, and what it gives that source."""
+    """``choice.md``'s lines: the recipe (images, passes and classes per image; its parts in the precision the device's
+    rule gives, ``bf16``) chosen leaving each source out, and what it gives that source."""
     sources = sorted({k[0] for k in cells})
     dims = {s: sorted({k[1] for k in cells if k[0] == s}) for s in sources}
     recipes = sorted({k[2:] for k in cells if seconds(*k[2:]) <= budget and k[4] == bf16})
@@ -133,11 +138,11 @@ def main() -> None:
         lines.append(f"| {name} | {key_dim} | {recipe_name(tuple(recipe))} | {cost:.0f} | "
                      f"{vs[0][0]:+.2f} ± {vs[0][1]:.2f} | {vs[1][0]:+.2f} ± {vs[1][1]:.2f} | {against} |")
         ax = axes[0 if key_dim == min(k[1] for k in cells if k[0] == name) else 1]
-        ax.errorbar(cost, vs[1][0], yerr=vs[1][1], fmt="s" if recipe[2] else "o", ms=4,
+        ax.errorbar(cost, vs[1][0], yerr=vs[1][1], fmt=("s" if recipe[2] else "o") if recipe[3] == SAMPLES else "^", ms=4,
                     color=f"C{sorted({k[0] for k in cells}).index(name) % 10}")
     for ax, title in zip(axes, ("D/16", "D/8")):
         ax.axvline(args.budget, color="grey", ls="--", lw=0.8)
-        ax.set(title=f"key dim {title} (squares: bfloat16 parts; a colour per source)",
+        ax.set(title=f"key dim {title} (squares: bfloat16 parts, triangles: other classes per image)",
                xlabel="DeiT-B seconds on the 2-core CPU", ylabel="top-1 gain over weight-only")
     fig.tight_layout()
     fig.savefig(args.results / "compute.png", dpi=120)

@@ -5,6 +5,8 @@
 # frozen defaults were written; SET=converted: the three trained after the converted-token refinement was frozen;
 # SET=registered: the three pre-registered after it was committed;
 # SET=e15-new: two 15-epoch sources with seeds no earlier set used (issue 56: the well-trained sources weighed apart);
+# SET=rotary: the RoPE-ViT sources of the rotary rule (issue 54 item 4; results/rotary_ranking), two trained first and
+# two with seeds no earlier set used;
 # ONLY="a b": those of the set alone. THREADS (default 2) each, one run at a time (e5: ~9 min, e15: ~27 min on the
 # 2-core CPU; two at once with THREADS=1: ~45 min for both).
 #   SET=loso PYTHON=.venv/bin/python bash experiments/sources.sh
@@ -35,4 +37,7 @@ e15-new)  # issue 56: the recipe's choices weighed on well-trained sources not s
     train e15-s20 standard_long 20; train e15-s21 standard_long 21 ;;
 registered)  # pre-registered after commit 7252e47 (RESULTS.md (b)), before any was trained
     train e5-s11 standard 11; train e5-s12 standard 12; train rope-e5-s13 rope_long 13 --epochs 5 ;;
+rotary)  # issue 54 item 4: the light-compression rule chosen over four rotary sources, two of them 15-epoch
+    train rope-e15-s0 rope_long 0; train rope-e5-s13 rope_long 13 --epochs 5
+    train rope-e15-s22 rope_long 22; train rope-e5-s23 rope_long 23 --epochs 5 ;;
 esac
