@@ -4,7 +4,9 @@ passes and the precision of its costly parts, against what each costs on DeiT-B,
     for s in e5-s0 e15-s20 e15-s21; do for n in 640 1024 2048; do
         python experiments/blockwise_loso.py grid --source runs/sources/$s/model.safetensors --name $s-n$n \\
             --data-dir data --images $n --lrs 0.001 --passes 4 8 16 --threads 1 --results results/fixed_compute
-    done; python experiments/blockwise_loso.py grid ... --name $s-n640-bf16 --images 640 --bf16 1 ...; done
+    done; python experiments/blockwise_loso.py grid ... --name $s-n640-bf16 --images 640 --bf16 1 ...
+    # classes per image: --name $s-n768-bf16-s2 --samples 2 --passes 8 10; $s-n640-bf16-s8 --samples 8 --passes 8
+    done
     python experiments/fixed_compute.py --results results/fixed_compute    # table.md, choice.md, compute.png
 
 Compute: DeiT-B seconds on the 2-core CPU of the parts that grow with the images (``PARTS``, measured by

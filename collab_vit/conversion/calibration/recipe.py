@@ -69,7 +69,8 @@ def check_effort(effort: object) -> str:
 PREFIX_WEIGHT = "balanced"  # the whitened start's class-token weight: the "balanced" rule (docs/math.md)
 REFINE_LR = 1e-3  # the blockwise refinement's Adam lr (issue 40's leave-one-source-out choice)
 BATCH_SIZE = 64
-SAMPLES = 4  # classes drawn per image for the blockwise refinement's Fisher form (blockwise.py)
+SAMPLES = 4  # classes drawn per image for the blockwise refinement's Fisher form (blockwise.py); 2 and 8 at the
+# same DeiT-B compute gave less top-1 (RESULTS.md (b), "At a fixed compute")
 CONFIDENCE = 0.9  # of the guard's interval: a candidate beats weight-only beyond it (guard.py)
 
 
