@@ -43,8 +43,8 @@ from .rotary import is_rotary, layer_calls, projections, rotary_layer, rotary_li
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
 LIGHT = 1.0  # key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
 # pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. Issue 54 item 4 (results/rotary_ranking,
-# two RoPE-ViT sources, 15 and 5 epochs): at 56 of 64 q/k dims the selection ranked by ``logit_energy`` was 0.21 and
-# 0.15 below the fit, so no share keeps it within 0.1 of the fit on either source, each chosen without the other
+# four RoPE-ViT sources, two of 15 epochs): at 56 of 64 q/k dims the selection ranked by ``logit_energy`` was up to
+# 0.21 below the fit, so no share keeps it within 0.1 of the fit, each source left out
 
 
 @dataclass
