@@ -451,9 +451,9 @@ main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("family", ["DeiT", "EVA-02", "RoPE-ViT"])
+@pytest.mark.parametrize("family", ["DeiT", "RoPE-ViT"])
 def test_the_command_refines_in_the_precision_the_device_rule_gives(family, tmp_path) -> None:
-    """Through ``collab-vit convert`` in a process of its own, a standard and two rotary families, the rule forced
+    """Through ``collab-vit convert`` in a process of its own, a standard and a rotary family, the rule forced
     each way: the conversion finishes, refining in that precision (the file's record says which), and the converted
     weights stay float32. (Random sources: the losses are about zero, so only the route is checked here;
     ``test_bf16_steps_inside_the_recipe_follow_the_updated_weights`` checks what the bfloat16 steps do.)"""
