@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 source scripts/venv.sh
 venv_install test
 bash tests/slurm/cluster.sh install || echo "note: Slurm could not be installed here; tests/test_slurm.py will skip"
-# two workers on the 2-core machine, each test module on one worker (its fixtures built once; Slurm tests together)
-exec .venv/bin/python -m pytest -n 2 --dist loadscope "$@"
+# two workers on the 2-core machine, each test module on one worker (its fixtures built once; Slurm tests together);
+# the slowest tests listed at the end (docs/testing.md's run log keeps the suite under 12 minutes)
+exec .venv/bin/python -m pytest -n 2 --dist loadscope --durations=12 "$@"
