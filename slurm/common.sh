@@ -67,6 +67,17 @@ srun_per_node() {
         --output="$exp_dir/logs/%x-%j-node%n.log" bash "$REPO_DIR/slurm/launch.sh" "$@"
 }
 
+# Wait for the background process PID and return its exit status; a trap that runs meanwhile interrupts `wait`, so
+# wait again until the process has ended.
+wait_child() {
+    local pid=$1 status=0
+    while true; do
+        wait "$pid" && status=0 || status=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    return "$status"
+}
+
 # Run "$@" in the background and wait. SIGUSR1 (sbatch --signal=B:USR1@T, or scancel --batch --signal=USR1)
 # or SIGTERM to the batch shell create $exp_dir/STOP: the trainer checkpoints at its next update and exits.
 # Sets REQUEUE_ASKED=1 when the signal was USR1 (time limit near: requeue afterwards).
@@ -78,10 +89,7 @@ run_stoppable() {
     trap 'touch "$exp_dir/STOP"; echo "$(date -Is) SIGTERM: asked the trainer to checkpoint"' TERM
     "$@" &
     local pid=$! status=0
-    while true; do
-        wait "$pid" && status=0 || status=$?
-        kill -0 "$pid" 2>/dev/null || break  # otherwise wait was interrupted by a trap: keep waiting
-    done
+    wait_child "$pid" || status=$?
     trap - USR1 TERM
     return "$status"
 }
@@ -139,10 +147,7 @@ convert_job() {
     local pid=$! status=0
     trap 'stop=1; echo "$(date -Is) job ${SLURM_JOB_ID:-}: SIGUSR1, stopping the conversion"; kill -TERM "$pid" || true' USR1
     trap 'stop=1; echo "$(date -Is) job ${SLURM_JOB_ID:-}: SIGTERM, stopping the conversion"; kill -TERM "$pid" || true' TERM
-    while true; do
-        wait "$pid" && status=0 || status=$?
-        kill -0 "$pid" 2>/dev/null || break  # otherwise wait was interrupted by a trap: keep waiting
-    done
+    wait_child "$pid" || status=$?
     trap - USR1 TERM
     if (( stop )) && [[ -d $out.partial || ! -e $out ]]; then
         echo "$(date -Is) job ${SLURM_JOB_ID:-}: requeueing; the same command resumes from $out.partial"
