@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from data_aware import test_set
+from whole_block import BlockRun
 from runner import ROOT, figure, git_commit, log2_axes, machine, write_json
 
 from collab_vit.cli import calibration_loader
@@ -96,14 +97,18 @@ def snapshots(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -
         raise SystemExit(f"passes {passes} give the same step counts for {fit} fitting images")
     calls = run.cached_calls(every_layer=True)
     device = next(run.model.parameters()).device
-    targets = [source_outputs(s, c, batch, device) for s, c in zip(run.originals, calls)]
-    first = [mean_loss(f.layer, c, t, batch, device) for f, c, t in zip(base.fits, calls, targets)]
+    # what is refined: each attention layer, or (``whole_block.BlockRun``) each layer inside its block
+    sources = getattr(run, "source_blocks", run.originals)
+    units = run.units(base.fits) if isinstance(run, BlockRun) else [f.layer for f in base.fits]
+    targets = [source_outputs(s, c, batch, device) for s, c in zip(sources, calls)]
+    first = [mean_loss(u, c, t, batch, device) for u, c, t in zip(units, calls, targets)]
     states: dict[int, list[Optional[dict]]] = {p: [None] * len(base.fits) for p in passes}
 
     def on_step(layer: torch.nn.Module, index: int, step: int) -> None:
         if step in steps:
             rose = mean_loss(layer, calls[index], targets[index], batch, device) > first[index]
-            states[steps[step]][index] = None if rose else copy.deepcopy(layer.state_dict())
+            kept = getattr(layer, "attn", layer)  # the attention layer of a block (``BlockRun``)
+            states[steps[step]][index] = None if rose else copy.deepcopy(kept.state_dict())
 
     refined = run.blockwise(base, max(steps), on_step)
     out = []
@@ -145,8 +150,8 @@ def grid(args: argparse.Namespace) -> None:
             continue
         model = copy.deepcopy(source).eval()
         recipe = Recipe(refine_lr=lr, holdout=holdout, bf16=args.bf16, samples=args.samples or SAMPLES)
-        run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed,
-                        ROTARY if rotary else STANDARD)
+        run = (BlockRun if args.target == "block" else RecipeRun)(
+            model, timm_attention_layers(model), images, recipe, "tucker", args.seed, ROTARY if rotary else STANDARD)
         dims = [key_dim] * len(run.layers)
         starts = {}
         for name in run.builder.starts:
@@ -159,7 +164,8 @@ def grid(args: argparse.Namespace) -> None:
             del entry["candidate"]
         row = {"source": args.name, "source_top1": reference["top1"], "source_right": reference["right"],
                "rotary": rotary, "full": full, "key_dim": key_dim, "lr": lr, "images": args.images,
-               "fit": run.source.fit, "samples": recipe.samples, "bf16": run.bf16, "starts": starts,
+               "fit": run.source.fit, "samples": recipe.samples, "bf16": run.bf16, "target": args.target,
+               "starts": starts,
                "refined_from": base,
                "snapshots": snaps, "test_images": int(test[1].numel()), "commit": git_commit(),
                "machine": machine()}
@@ -352,6 +358,9 @@ def main() -> None:
                    "package's rule on this device (recipe.bf16_native)")
     g.add_argument("--samples", type=int, default=None,
                    help="classes drawn per image for the sensitivities (default: the package's, recipe.SAMPLES)")
+    g.add_argument("--target", choices=("attention", "block"), default="attention",
+                   help="the refinement's output: the attention layer's (the package's) or its block's "
+                   "(experiments/whole_block.py)")
     c = sub.add_parser("choose", help="leave-one-source-out choice over every grid in --results")
     k = sub.add_parser("check", help="the sources in --results under the package's default alone")
     for q in (g, c, k):

@@ -6,6 +6,8 @@ passes and the precision of its costly parts, against what each costs on DeiT-B,
             --data-dir data --images $n --lrs 0.001 --passes 4 8 16 --threads 1 --results results/fixed_compute
     done; python experiments/blockwise_loso.py grid ... --name $s-n640-bf16 --images 640 --bf16 1 ...
     # classes per image: --name $s-n768-bf16-s2 --samples 2 --passes 8 10; $s-n640-bf16-s8 --samples 8 --passes 8
+    # the lr at the default's images: --name $s-n768-bf16 --images 768 --bf16 1 --lrs 0.002 0.004 --passes 4 8
+    # the whole block as the target: --name $s-n768-bf16-block --target block --passes 2 3 4 6 8
     done
     python experiments/fixed_compute.py --results results/fixed_compute    # table.md, choice.md, compute.png
 
@@ -34,9 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # blockwise_loso besid
 from blockwise_loso import unpacked  # noqa: E402
 from runner import figure  # noqa: E402
 
-from collab_vit.conversion.calibration.recipe import COST, SAMPLES, split  # noqa: E402
+from collab_vit.conversion.calibration.recipe import COST, REFINE_LR, SAMPLES, split  # noqa: E402
 
-OLD = (2048, 16, False, SAMPLES)  # the default before issue 56: images, passes, bfloat16 parts, classes per image
+OLD = (2048, 16, False, SAMPLES, REFINE_LR, "attention")  # the default before issue 56: images, passes, bfloat16
+# parts, classes per image, the refinement's lr and its target (the attention layer's output, or the block's:
+# experiments/whole_block.py)
 # DeiT-B seconds per image on the 2-core AMD EPYC (AVX512-BF16), measured end to end (benchmarks/data_aware_bench.md,
 # 2026-12-07; recipe.COST): a float32 forward pass (the capture, each held-out measure), the converted tokens, source
 # outputs and mean losses of every layer, the sensitivity pass with SAMPLES classes, one pass of every layer's steps;
@@ -44,13 +48,19 @@ OLD = (2048, 16, False, SAMPLES)  # the default before issue 56: images, passes,
 PARTS = {False: {"forward": 0.23, "replay": 0.78, "sensitivity": 1.15, "step": 0.32},
          True: {"forward": 0.23, "replay": 0.78, "sensitivity": 0.765, "step": 0.216}}
 FIXED = 200.0
+BLOCK_STEP = Path(__file__).resolve().parents[1] / "results" / "fixed_compute" / "block_step.json"  # a block step's
+# seconds over an attention step's on DeiT-B (``whole_block.py cost``)
 WEIGHT_ONLY = 62.0  # the weight-only conversion in the same run: the budget is 40 times it
 
 
-def seconds(images: int, passes: int, bf16: bool, samples: int = SAMPLES, held_measures: int = 3) -> float:
+def seconds(images: int, passes: int, bf16: bool, samples: int = SAMPLES, lr: float = REFINE_LR,
+            target: str = "attention", held_measures: int = 3) -> float:
     """DeiT-B seconds of the recipe at ``images`` and ``passes`` (``bf16``: its costly parts in bfloat16), ``samples``
-    classes drawn per image (the sensitivity pass scaled as ``recipe.COST``: 1 + 1.4 per class)."""
-    fit, c = split(images, None), PARTS[bf16]
+    classes drawn per image (the sensitivity pass scaled as ``recipe.COST``: 1 + 1.4 per class); ``lr`` costs
+    nothing; a step against the block's output costs ``BLOCK_STEP``'s ratio more."""
+    fit, c = split(images, None), dict(PARTS[bf16])
+    if target == "block":
+        c["step"] *= json.loads(BLOCK_STEP.read_text())["ratio"]
     sensitivity = c["sensitivity"] * (COST["sensitivity"] + COST["per_class"] * samples) / (
         COST["sensitivity"] + COST["per_class"] * SAMPLES)
     return FIXED + c["forward"] * (images + (images - fit) * held_measures) + fit * (
@@ -64,8 +74,8 @@ def paired(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
 
 
 def load(results: Path) -> dict[tuple, dict]:
-    """Every snapshot of the grids under ``results``: (source, key dim, images, passes, bf16, samples) -> its test
-    outcomes, the source's and the weight-only fit's."""
+    """Every snapshot of the grids under ``results``: (source, key dim, images, passes, bf16, samples, lr, target)
+    -> its test outcomes, the source's and the weight-only fit's."""
     cells: dict[tuple, dict] = {}
     for path in sorted(results.glob("*/k*.json")):
         row = json.loads(path.read_text())
@@ -74,19 +84,21 @@ def load(results: Path) -> dict[tuple, dict]:
         weight = unpacked(row["starts"]["weight"], n)
         for snap in row["snapshots"]:
             key = (row["source"].split("-n")[0], row["key_dim"], row["images"], snap["passes"], row.get("bf16", False),
-                   row["samples"])
+                   row["samples"], row["lr"], row.get("target", "attention"))
             cells[key] = {"right": unpacked(snap, n), "source": source, "weight": weight}
     return cells
 
 
 def recipe_name(recipe: tuple) -> str:
-    images, passes, bf16, samples = recipe
+    images, passes, bf16, samples, lr, target = recipe
     classes = "" if samples == SAMPLES else f", {samples} classes"
-    return f"{images} x {passes}, {'bfloat16' if bf16 else 'float32'}{classes}"
+    rate = "" if lr == REFINE_LR else f", lr {lr:g}"
+    block = ", whole block" if target == "block" else ""
+    return f"{images} x {passes}, {'bfloat16' if bf16 else 'float32'}{classes}{rate}{block}"
 
 
 def choose(cells: dict[tuple, dict], budget: float, bf16: bool) -> list[str]:
-    """``choice.md``'s lines: the recipe (images, passes and classes per image; its parts in the precision the device's
+    """``choice.md``'s lines: the recipe (images, passes, classes per image and lr; its parts in the precision the device's
     rule gives, ``bf16``) chosen leaving each source out, and what it gives that source."""
     sources = sorted({k[0] for k in cells})
     dims = {s: sorted({k[1] for k in cells if k[0] == s}) for s in sources}
@@ -145,7 +157,9 @@ def main() -> None:
         lines.append(f"| {name} | {key_dim} | {recipe_name(tuple(recipe))} | {cost:.0f} | "
                      f"{vs[0][0]:+.2f} ± {vs[0][1]:.2f} | {vs[1][0]:+.2f} ± {vs[1][1]:.2f} | {against} |")
         ax = axes[0 if key_dim == min(k[1] for k in cells if k[0] == name) else 1]
-        ax.errorbar(cost, vs[1][0], yerr=vs[1][1], fmt=("s" if recipe[2] else "o") if recipe[3] == SAMPLES else "^", ms=4,
+        marker = ("^" if recipe[3] != SAMPLES else "D" if recipe[4] != REFINE_LR else "P" if recipe[5] == "block"
+                  else "s" if recipe[2] else "o")
+        ax.errorbar(cost, vs[1][0], yerr=vs[1][1], fmt=marker, ms=4,
                     color=f"C{sorted({k[0] for k in cells}).index(name) % 10}")
     for ax, title in zip(axes, ("D/16", "D/8")):
         ax.axvline(args.budget, color="grey", ls="--", lw=0.8)
@@ -154,7 +168,8 @@ def main() -> None:
     names = sorted({k[0] for k in cells})
     axes[1].legend(handles=[Line2D([], [], color=f"C{i % 10}", marker="o", ls="", label=n) for i, n in
                             enumerate(names)], fontsize=7)
-    fig.suptitle("circles: float32 parts, squares: bfloat16, triangles: 2 or 8 classes per image; dashed: the budget",
+    fig.suptitle("circles: float32 parts, squares: bfloat16, triangles: 2 or 8 classes per image, diamonds: another "
+                 "lr, plus: the whole block; dashed: the budget",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(args.results / "compute.png", dpi=120)

@@ -4,7 +4,8 @@
 # model.safetensors exists). SET=loso (default): the ten sources; SET=preregistered: the three trained after the
 # frozen defaults were written; SET=converted: the three trained after the converted-token refinement was frozen;
 # SET=registered: the three pre-registered after it was committed;
-# SET=e15-new: two 15-epoch sources with seeds no earlier set used (issue 56: the well-trained sources weighed apart);
+# SET=e15-new: 15-epoch sources with seeds no earlier set used (issue 56: the well-trained sources weighed apart; s24
+# trained after the default was chosen, with e15-s2 of SET=loso);
 # SET=rotary: the RoPE-ViT sources of the rotary rule (issue 54 item 4; results/rotary_ranking), two trained first and
 # two with seeds no earlier set used;
 # ONLY="a b": those of the set alone. THREADS (default 2) each, one run at a time (e5: ~9 min, e15: ~27 min on the
@@ -34,7 +35,7 @@ preregistered)
 converted)  # the three trained after the refinement on the converted model's tokens was frozen (RESULTS.md (b))
     train e5-s8 standard 8; train e5-s9 standard 9; train rope-e5-s10 rope_long 10 --epochs 5 ;;
 e15-new)  # issue 56: the recipe's choices weighed on well-trained sources not seen before
-    train e15-s20 standard_long 20; train e15-s21 standard_long 21 ;;
+    train e15-s20 standard_long 20; train e15-s21 standard_long 21; train e15-s24 standard_long 24 ;;
 registered)  # pre-registered after commit 7252e47 (RESULTS.md (b)), before any was trained
     train e5-s11 standard 11; train e5-s12 standard 12; train rope-e5-s13 rope_long 13 --epochs 5 ;;
 rotary)  # issue 54 item 4: the light-compression rule chosen over four rotary sources, two of them 15-epoch

@@ -108,3 +108,54 @@ def test_the_package_default_is_the_choice_on_all_sources() -> None:
     assert len({r['source'] for r in rows}) >= 10 and {r['images'] for r in rows} == {2048}
     chosen = leave_one_out(blockwise_loso.outcomes(rows))
     assert blockwise_loso.package_default() == chosen['all']
+
+
+def test_the_whole_block_target_is_the_attention_target_where_the_mlp_adds_nothing() -> None:
+    """experiments/whole_block.py (issue 56): with every block's MLP output zero, a block's output error is its attention
+    layer's and the sensitivities to both are the same (the chain rule), so the whole-block loss of each layer equals
+    the package's attention loss (float64: the two differ by the rounding of a few hundred operations, far below
+    1e-9 relative), the refinement lowers it, and with the MLP the two objectives differ beyond rounding."""
+    import timm
+    from collab_vit.conversion.calibration.blockwise import mean_loss, source_outputs
+    from collab_vit.conversion.calibration.recipe import Recipe, RecipeRun
+    from collab_vit.conversion.reparam import timm_attention_layers
+    from whole_block import BlockRun
+
+    torch.manual_seed(0)
+    base = timm.create_model('deit_tiny_patch16_224', img_size=28, patch_size=7, in_chans=1, depth=2, embed_dim=16,
+                             num_heads=2, num_classes=10).double().eval()
+    images = torch.randn(12, 1, 28, 28, dtype=torch.float64)
+
+    def first_losses(model, kind):
+        run = kind(model, timm_attention_layers(model), images, Recipe(holdout=4, batch_size=4), 'tucker', 0)
+        start = run.fit_start('weight', [4, 4])
+        calls = run.cached_calls(every_layer=True)
+        sources = getattr(run, 'source_blocks', run.originals)
+        units = run.units(start.fits) if kind is BlockRun else [f.layer for f in start.fits]
+        losses = [mean_loss(u, c, source_outputs(s, c, 4, torch.device('cpu')), 4, torch.device('cpu'))
+                  for u, s, c in zip(units, sources, calls)]
+        refined = run.blockwise(start, 3)
+        run.finish(refined)
+        return losses, refined.refine
+
+    silent = copy.deepcopy(base)
+    for block in silent.blocks:
+        torch.nn.init.zeros_(block.mlp.fc2.weight), torch.nn.init.zeros_(block.mlp.fc2.bias)
+    attention, _ = first_losses(copy.deepcopy(silent), RecipeRun)
+    block, refine = first_losses(copy.deepcopy(silent), BlockRun)
+    assert refine['target'] == 'block' and refine['loss_after'] < refine['loss_before']
+    assert all(a > 0 for a in attention) and block == pytest.approx(attention, rel=1e-9)
+    attention, _ = first_losses(copy.deepcopy(base), RecipeRun)
+    block, _ = first_losses(copy.deepcopy(base), BlockRun)
+    assert block != pytest.approx(attention, rel=1e-9)  # the MLP's curvature: beyond rounding
+
+
+def test_the_grid_refines_the_whole_block(tiny_fashion_mnist, tmp_path):  # noqa: F811
+    """``grid --target block``: its rows say the target, its snapshots are measured like the package's."""
+    source, results = sharp_source(tmp_path, depth=2), tmp_path / 'results'
+    run('blockwise_loso.py', 'grid', '--source', source, '--name', 'a-block', '--data-dir', tiny_fashion_mnist,
+        '--results', results, '--images', '24', '--lrs', '1e-3', '--passes', '2', '4', '--threads', '1',
+        '--target', 'block')
+    row = json.loads((results / 'a-block' / 'k1_lr0.001_held6.json').read_text())
+    assert row['target'] == 'block' and [s['steps'] for s in row['snapshots']] == [1, 2]
+    assert all(0 <= s['top1'] <= 100 and len(s['held']) == 6 for s in row['snapshots'])

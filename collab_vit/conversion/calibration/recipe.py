@@ -283,6 +283,8 @@ class RecipeRun:
         self.prefix_weight = prefix_weight_for(weight, prefix_tokens(model), patches)
         self.progress, self.bar = progress, None  # progress bars
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
+        self.read_at: list[nn.Module] = self.originals  # the modules whose inputs and output sensitivities those are
+        # (the attention layers; experiments/whole_block.py: their blocks)
         self.keywords = builder.calls(model, layers, images) if builder.calls else [{} for _ in layers]
         self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
 
@@ -335,7 +337,7 @@ class RecipeRun:
             for (name, _), original in zip(self.layers, self.originals):
                 replace_submodule(self.model, name, original)
             with self.store.use(), bf16_parts(self.bf16):
-                self.calls = layer_inputs(self.model, self.originals, self.source.inputs, self.recipe.batch_size,
+                self.calls = layer_inputs(self.model, self.read_at, self.source.inputs, self.recipe.batch_size,
                                           self.recipe.samples, self.seed, None if every_layer else 1, self.progress)
         return self.calls
 
