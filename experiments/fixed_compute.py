@@ -98,35 +98,53 @@ def recipe_name(recipe: tuple) -> str:
 
 
 def choose(cells: dict[tuple, dict], budget: float, bf16: bool) -> list[str]:
-    """``choice.md``'s lines: the recipe (images, passes, classes per image and lr; its parts in the precision the device's
-    rule gives, ``bf16``) chosen leaving each source out, and what it gives that source."""
+    """``choice.md``'s lines: the recipe (images, passes, classes per image, target; its parts in the precision the
+    device's rule gives, ``bf16``; the lr the package's) chosen leaving each source out, and what it gives that source;
+    the same choice with the lr free, scored on the sources left out; each recipe's mean gain."""
     sources = sorted({k[0] for k in cells})
     dims = {s: sorted({k[1] for k in cells if k[0] == s}) for s in sources}
-    recipes = sorted({k[2:] for k in cells if seconds(*k[2:]) <= budget and k[4] == bf16})
+    free = sorted({k[2:] for k in cells if seconds(*k[2:]) <= budget and k[4] == bf16})
+    fixed = [r for r in free if r[4] == REFINE_LR]
 
     def gain(source: str, recipe: tuple) -> float | None:
         found = [cells.get((source, d, *recipe)) for d in dims[source]]
         return None if None in found else fmean(paired(c["right"], c["weight"])[0] for c in found)
 
-    lines = [f"Within {budget:.0f} DeiT-B seconds, {'bfloat16' if bf16 else 'float32'} parts; each source's recipe "
-             "chosen on the other 15-epoch sources (best mean top-1 gain over weight-only, both key dims; the 5-epoch "
-             "sources do not vote).", "",
+    def left_out(recipes: list[tuple]) -> dict[str, tuple]:
+        """Each source's recipe, the best mean gain on the other 15-epoch sources (what users convert: no choice
+        trades them for the 5-epoch ones)."""
+        chosen = {}
+        for left in sources:
+            others = [s for s in sources if s != left]
+            others = [s for s in others if s.startswith("e15")] or others
+            scored = {r: [gain(s, r) for s in others] for r in recipes if gain(left, r) is not None}
+            scored = {r: fmean(g) for r, g in scored.items() if others and None not in g}
+            if scored:
+                chosen[left] = max(scored, key=scored.get)
+        return chosen
+
+    lines = [f"Within {budget:.0f} DeiT-B seconds, {'bfloat16' if bf16 else 'float32'} parts, lr {REFINE_LR:g}; each "
+             "source's recipe chosen on the other 15-epoch sources (best mean top-1 gain over weight-only, both key "
+             "dims; the 5-epoch sources do not vote).", "",
              "| left out | recipe chosen on the others | DeiT-B s | key dim | vs weight-only | vs old default |",
              "|---|---|---:|---:|---:|---:|"]
-    for left in sources:
-        others = [s for s in sources if s != left]
-        # chosen on the well-trained sources (what users convert): no choice trades them for the 5-epoch ones
-        others = [s for s in others if s.startswith("e15")] or others
-        scored = {r: [gain(s, r) for s in others] for r in recipes if gain(left, r) is not None}
-        scored = {r: fmean(g) for r, g in scored.items() if others and None not in g}
-        if not scored:
-            continue
-        best = max(scored, key=scored.get)
+    for left, best in left_out(fixed).items():
         for d in dims[left]:
             c, old = cells[(left, d, *best)], cells.get((left, d, *OLD))
             vs = "{:+.2f} ± {:.2f}".format(*paired(c["right"], c["weight"]))
             against = "" if old is None else "{:+.2f} ± {:.2f}".format(*paired(c["right"], old["right"]))
             lines.append(f"| {left} | {recipe_name(best)} | {seconds(*best):.0f} | {d} | {vs} | {against} |")
+    lines += ["", "The choice scored on the sources it left out, with the lr fixed and free (mean gain over weight-only, "
+              "both key dims; worst cell against weight-only):", "",
+              "| lr | recipes chosen | 15-epoch sources | 5-epoch sources | worst cell |", "|---|---|---:|---:|---:|"]
+    for label, pool in ((f"{REFINE_LR:g}", fixed), ("free", free)):
+        chosen = left_out(pool)
+        by = [[gain(s, r) for s, r in chosen.items() if s.startswith(e)] for e in ("e15", "e5")]
+        worst = min(paired(cells[(s, d, *r)]["right"], cells[(s, d, *r)]["weight"])[0]
+                    for s, r in chosen.items() for d in dims[s])
+        names = "; ".join(sorted({recipe_name(r) for r in chosen.values()}))
+        lines.append(f"| {label} | {names} | {fmean(by[0]) if by[0] else math.nan:+.2f} | "
+                     f"{fmean(by[1]) if by[1] else math.nan:+.2f} | {worst:+.2f} |")
     lines += ["", "Each recipe's mean top-1 gain over weight-only, by training length (both key dims):", "",
               "| recipe | DeiT-B s | 5-epoch sources | 15-epoch sources |", "|---|---:|---:|---:|"]
     for recipe in sorted({k[2:] for k in cells}, key=lambda r: seconds(*r)):

@@ -161,6 +161,9 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
     choice = (results / "choice.md").read_text()
     sources = {g["source"].split("-n")[0] for g in grids}
     assert all(f"| {s} |" in choice for s in sources) == (len(sources) > 1)
+    # the choice with the lr fixed at the package's and free, each scored on the sources it left out
+    from collab_vit.conversion.calibration.recipe import REFINE_LR
+    assert f"| {REFINE_LR:g} | {DEFAULT_IMAGES} x {PASSES['default']}, bfloat16 |" in choice and "| free |" in choice
 
 
 def test_rotary_ranking(tiny_fashion_mnist, tmp_path):
