@@ -6,7 +6,8 @@ prediction, the sensitivity of the drawn class's log-probability to that layer's
 converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, first layer first, Adam on seeded minibatches, on
 ``sum_images mean_classes (g . (y~ - y))^2``: the Fisher form of the output KL that the layer's output error causes,
 to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was
-removed: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
+removed, and the enclosing block's output, the same to first order at 1.9 times a step's cost, gained less at the same
+compute: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
 and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
 backward on the minibatch, not the whole model's (a whole-model refinement); the sensitivities and the first layer's

@@ -67,7 +67,8 @@ def check_effort(effort: object) -> str:
 # the recipe's measured constants (RESULTS.md (b)); ``Recipe`` gathers them so that an experiment or a test can vary
 # one: no public entry (``reparametrize``, ``collab-vit convert``) takes a Recipe
 PREFIX_WEIGHT = "balanced"  # the whitened start's class-token weight: the "balanced" rule (docs/math.md)
-REFINE_LR = 1e-3  # the blockwise refinement's Adam lr (issue 40's leave-one-source-out choice)
+REFINE_LR = 1e-3  # the blockwise refinement's Adam lr (issue 40's leave-one-source-out choice; at the default's 768
+# images 2e-3 and 4e-3 gained less on the sources left out: RESULTS.md (b), "At a fixed compute")
 BATCH_SIZE = 64
 SAMPLES = 4  # classes drawn per image for the blockwise refinement's Fisher form (blockwise.py); 2 and 8 at the
 # same DeiT-B compute gave less top-1 (RESULTS.md (b), "At a fixed compute")
