@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from collab_vit import console
 from collab_vit.conversion.calibration import state
 from collab_vit.conversion.calibration.blockwise import (Call, bf16_parts, enclosing, inputs_at, refine_blocks,
                                                          refine_layer, replay)
@@ -107,21 +108,16 @@ def step_seconds(model_name: str, steps: int, bf16: bool) -> dict[str, float]:
         source, converted = (attn, layer) if target == "attention" else (unit(block, attn), unit(block, layer))
         with torch.no_grad():
             grads = torch.randn(64, 4, 197, x.shape[-1])
-        call = (x, (), {}, grads)
+        call, bar = (x, (), {}, grads), console.progress(steps, "", False)
 
-        class Bar:
-            def update(self, n: int = 1) -> None:
-                pass
+        def timed(count: int) -> float:
+            start = time.perf_counter()
+            refine_layer(source, converted, call, count, (1e-3, 64, 0), None, bar)
+            return time.perf_counter() - start
 
         with bf16_parts(bf16):
-            refine_layer(source, converted, call, 1, (1e-3, 64, 0), None, Bar())  # warm
-            start = time.perf_counter()
-            refine_layer(source, converted, call, steps, (1e-3, 64, 0), None, Bar())
-            out[target] = time.perf_counter() - start
-        with bf16_parts(bf16):
-            start = time.perf_counter()
-            refine_layer(source, converted, call, 0, (1e-3, 64, 0), None, Bar())
-            out[target] = (out[target] - (time.perf_counter() - start)) / steps  # less the loss passes around steps
+            timed(1)  # warm
+            out[target] = (timed(steps) - timed(0)) / steps  # less the loss passes around the steps
     return out
 
 

@@ -159,3 +159,13 @@ def test_the_grid_refines_the_whole_block(tiny_fashion_mnist, tmp_path):  # noqa
     row = json.loads((results / 'a-block' / 'k1_lr0.001_held6.json').read_text())
     assert row['target'] == 'block' and [s['steps'] for s in row['snapshots']] == [1, 2]
     assert all(0 <= s['top1'] <= 100 and len(s['held']) == 6 for s in row['snapshots'])
+
+
+def test_the_block_step_cost(tmp_path):
+    """``whole_block.py cost``: one step against the attention output and against the block's, timed and written."""
+    out = tmp_path / 'block_step.json'
+    run('whole_block.py', 'cost', '--model', 'deit_tiny_patch16_224', '--steps', '1', '--bf16', '0', '--out', out)
+    row = json.loads(out.read_text())
+    assert row['model'] == 'deit_tiny_patch16_224' and row['bf16'] is False and row['threads'] == 1
+    assert set(row['seconds']) == {'attention', 'block'}
+    assert row['ratio'] == row['seconds']['block'] / row['seconds']['attention']
