@@ -98,8 +98,9 @@ def snapshots(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -
     calls = run.cached_calls(every_layer=True)
     device = next(run.model.parameters()).device
     # what is refined: each attention layer, or (``whole_block.BlockRun``) each layer inside its block
-    sources = getattr(run, "source_blocks", run.originals)
-    units = run.units(base.fits) if isinstance(run, BlockRun) else [f.layer for f in base.fits]
+    block = isinstance(run, BlockRun)
+    sources = run.source_blocks if block else run.originals
+    units = run.units(base.fits) if block else [f.layer for f in base.fits]
     targets = [source_outputs(s, c, batch, device) for s, c in zip(sources, calls)]
     first = [mean_loss(u, c, t, batch, device) for u, c, t in zip(units, calls, targets)]
     states: dict[int, list[Optional[dict]]] = {p: [None] * len(base.fits) for p in passes}
@@ -107,7 +108,7 @@ def snapshots(run: RecipeRun, base: Candidate, passes: list[int], test: tuple) -
     def on_step(layer: torch.nn.Module, index: int, step: int) -> None:
         if step in steps:
             rose = mean_loss(layer, calls[index], targets[index], batch, device) > first[index]
-            kept = getattr(layer, "attn", layer)  # the attention layer of a block (``BlockRun``)
+            kept = layer.attn if block else layer  # what the snapshot loads into the fit's layer
             states[steps[step]][index] = None if rose else copy.deepcopy(kept.state_dict())
 
     refined = run.blockwise(base, max(steps), on_step)
