@@ -23,6 +23,7 @@ them for the 5-epoch ones, which are reported; then each recipe's mean gain by t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -53,6 +54,12 @@ BLOCK_STEP = Path(__file__).resolve().parents[1] / "results" / "fixed_compute" /
 WEIGHT_ONLY = 62.0  # the weight-only conversion in the same run: the budget is 40 times it
 
 
+@functools.cache
+def block_ratio() -> float:
+    """A block step's seconds over an attention step's on DeiT-B, read once (``BLOCK_STEP``)."""
+    return json.loads(BLOCK_STEP.read_text())["ratio"]
+
+
 def seconds(images: int, passes: int, bf16: bool, samples: int = SAMPLES, lr: float = REFINE_LR,
             target: str = "attention", held_measures: int = 3) -> float:
     """DeiT-B seconds of the recipe at ``images`` and ``passes`` (``bf16``: its costly parts in bfloat16), ``samples``
@@ -60,7 +67,7 @@ def seconds(images: int, passes: int, bf16: bool, samples: int = SAMPLES, lr: fl
     nothing; a step against the block's output costs ``BLOCK_STEP``'s ratio more."""
     fit, c = split(images, None), dict(PARTS[bf16])
     if target == "block":
-        c["step"] *= json.loads(BLOCK_STEP.read_text())["ratio"]
+        c["step"] *= block_ratio()
     sensitivity = c["sensitivity"] * (COST["sensitivity"] + COST["per_class"] * samples) / (
         COST["sensitivity"] + COST["per_class"] * SAMPLES)
     return FIXED + c["forward"] * (images + (images - fit) * held_measures) + fit * (

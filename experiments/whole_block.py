@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import time
 from pathlib import Path
@@ -30,15 +31,20 @@ from collab_vit.conversion.calibration.blockwise import (Call, bf16_parts, enclo
 from collab_vit.conversion.calibration.recipe import Candidate, RecipeRun, copies
 
 
-def unit(block: nn.Module, layer: nn.Module) -> nn.Module:
-    """``block`` (shallow: its modules shared) with ``layer`` as its attention, exposing the layer's ``query``,
-    ``key`` and ``mixing`` as the refinement reads them (``refine_layer``)."""
-    out = copy.copy(block)
-    out._modules = {**block._modules, "attn": layer}
-    view = type(f"Block{type(block).__name__}", (type(block),), {
+@functools.cache
+def viewed(kind: type) -> type:
+    """``kind`` (a block class) exposing its attention's ``query``, ``key`` and ``mixing`` as the refinement reads
+    them (``refine_layer``)."""
+    return type(f"Block{kind.__name__}", (kind,), {
         "query": property(lambda s: s.attn.query), "key": property(lambda s: s.attn.key),
         "mixing": property(lambda s: s.attn.mixing)})
-    out.__class__ = view
+
+
+def unit(block: nn.Module, layer: nn.Module) -> nn.Module:
+    """``block`` (shallow: its modules shared) with ``layer`` as its attention (``viewed``)."""
+    out = copy.copy(block)
+    out._modules = {**block._modules, "attn": layer}
+    out.__class__ = viewed(type(block))
     return out
 
 
