@@ -216,7 +216,7 @@ def _create(
         raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {model_name(parts.size, parts.family)} for "
                          f"key_dim={key_dim}")
     method = kwargs.pop("conversion_method", "tucker")
-    if method != "tucker":  # "cp" and "parafac" left the public surface (issue 54)
+    if method != "tucker":  # "cp" and "parafac" left the public surface (dims.REMOVED)
         raise ValueError(f"conversion_method={method!r}: {REMOVED['method']}")
     options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None

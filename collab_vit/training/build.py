@@ -3,7 +3,7 @@ converted on load), the optimizer, the EMA, loss, schedule and loaders, gathered
 loop passes. :func:`build_model` and :func:`fit_state` serve evaluation too.
 
 The optimizer is timm's ``create_optimizer_v2`` with its param groups (an lr multiplier for the mixing matrices was
-measured inconclusive and removed: RESULTS.md, issue 54).
+measured inconclusive and removed: RESULTS_HISTORY.md).
 """
 from __future__ import annotations
 

@@ -165,11 +165,12 @@ class TrainConfig:
 
 FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
-# keys that left the config (issue 54), their old default (a saved run config still holds it: read as nothing) and the
-# one line any other value, or the flag, answers with
+# keys that left the config (no measurement kept them), their old default (a saved run config still holds it: read
+# as nothing) and the one line any other value, or the flag, answers with
 REMOVED_KEYS: Dict[str, Tuple[Any, str]] = {
-    'mixing_lr_scale': (1.0, "mixing_lr_scale was removed (its one measurement was inconclusive: RESULTS.md, "
-                             "issue 21): drop it; the mixing matrices train at the run's lr in timm's param groups"),
+    'mixing_lr_scale': (1.0, "mixing_lr_scale was removed (its one measurement was inconclusive: "
+                             "RESULTS_HISTORY.md): drop it; the mixing matrices train at the run's lr in timm's "
+                             "param groups"),
 }
 
 

@@ -10,5 +10,5 @@ The modules, top to bottom (each imports only modules listed below it):
 * ``forms``: BEiT / EVA layers rewritten as timm's ``Attention``.
 * ``whitening``: token moments and the whitened decomposition of the data-aware conversion (docs/math.md).
 * ``decompose``: CP, Tucker and parafac on the per-head bilinear forms.
-* ``dims``: key dims per layer (one or a list, read once); what issue 54 removed, one line each.
+* ``dims``: key dims per layer (one or a list, read once); each removed option's one line.
 """

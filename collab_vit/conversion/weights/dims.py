@@ -3,7 +3,8 @@
 :func:`check_spec` reads a ``key_dim`` once where it enters (``reparametrize``'s argument, ``collab-vit convert
 --key-dim``); :func:`layer_dims` gives one key dim per layer from it, for standard and rotary layers alike, and is the
 only resolver the conversion paths call. What was removed from the public surface because no measurement kept it
-(issue 54) answers with the one line of :data:`REMOVED`, naming what replaced it.
+answers with the one line of :data:`REMOVED`, naming what replaced it (the numbers: RESULTS_HISTORY.md, "Options
+removed from the public surface").
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ REMOVED: dict[str, str] = {
     "method": "the decomposition method is no longer an option: every conversion uses Tucker (cp measured slower, "
               "157.6 s against 56.2 s on DeiT-B: docs/performance.md); drop --method (method= and conversion_method= in "
               "Python)",
-    "thorough": "effort 'thorough' (the whole-model refinement) was removed (better in one cell at about 20x the "
-                "default's compute: RESULTS.md (b)); use the default effort (the blockwise refinement) or 'fast'",
+    "thorough": "effort 'thorough' (the whole-model refinement) was removed (better in one cell at about 20 times "
+                "--effort full's compute: RESULTS_HISTORY.md); use the default effort (the blockwise refinement) or "
+                "'fast'",
     "reparametrize_layers": "reparametrize_layers was removed: use collab_vit.reparametrize(model, key_dim, "
                             "calibration=..., return_report=True)",
     "Budget": "Budget was removed with budget key dims (no better than one key dim: RESULTS.md (b)): give key_dim=K "

@@ -15,8 +15,9 @@ The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "eac
 spreads them by ``||T_ip||`` (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each
 frequency's fit at ``R_p`` starts from exactly that selection, so the fit contains it and never has a larger tensor
 error at equal q/k parameters. Its top-1 is another matter: at key dims of at least ``LIGHT`` of the layer's
-q/k dims the weight-only conversion is a selection (``weight_only``; ``LIGHT = 1``: never, issue 54), each head
-keeping the pairs that give its logits most under the layer's rope, as the recipe's ``"select"`` candidate does
+q/k dims the weight-only conversion is a selection (``weight_only``; ``LIGHT = 1``: never, RESULTS.md "The rotary
+weight-only rule"), each head keeping the pairs that give its logits most under the layer's rope, as the recipe's
+``"select"`` candidate does
 (``Frequencies.logit_energy``: a rotated key bias of a low frequency is nearly constant along a softmax row and
 cancels, which ``||T_ip||`` counts in full). The allocation that minimises the summed tensor error (dynamic
 programming, ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor
@@ -42,9 +43,9 @@ from .rotary import is_rotary, layer_calls, projections, rotary_layer, rotary_li
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
 LIGHT = 1.0  # key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
-# pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. Issue 54 item 4 (results/rotary_ranking,
-# four RoPE-ViT sources, two of 15 epochs): at 56 of 64 q/k dims the selection ranked by ``logit_energy`` was up to
-# 0.21 below the fit, so no share keeps it within 0.1 of the fit, each source left out
+# pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. RESULTS.md "The rotary weight-only rule"
+# (results/rotary_ranking, four RoPE-ViT sources, two of 15 epochs): at 56 of 64 q/k dims the selection ranked by
+# ``logit_energy`` was up to 0.21 below the fit, so no share keeps it within 0.1 of the fit, each source left out
 
 
 @dataclass
