@@ -94,8 +94,9 @@ class Beside:
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise ValueError(f"another conversion to {self.folder.name[:-len('.partial')]} is running "
-                                 f"({holder}; its lock: {path}): wait for it to end, or choose another --out") from None
+                out = self.folder.with_name(self.folder.name[:-len(".partial")])
+                raise ValueError(f"another conversion to {out} is running ({holder}; its lock: {path}): wait for it "
+                                 f"to end, or choose another --out") from None
             if _same_file(fd, path):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
