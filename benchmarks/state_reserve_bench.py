@@ -6,11 +6,13 @@ on DeiT-B's architecture, the recipe's split and samples; in the store's order: 
 tokens and every layer's sensitivities, then per layer the refinement's ``WORKING`` files, recreated layer by layer),
 once sparse as before (``truncate``) and once reserved (``state.reserve``: ``posix_fallocate``), removing them after
 each pass, and times both; then one sensitivities-sized file filled through a mapping, sparse against reserved (the
-write cost the reservation may move); then the lock (``hold`` and its release: ``beside``). Prints a Markdown table.
+write cost the reservation may move); then one such file with zeros written (a file system without fallocate); then the lock (``hold`` and its release:
+``beside``). Prints a Markdown table and lines.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import sys
@@ -97,6 +99,17 @@ def main() -> None:
         times = {r: [run(r) for _ in range(args.repeats)] for r in (False, True)}
         print(f"| {label} | " + " | ".join(f"{min(times[r]):.3f} (of {args.repeats}, max {max(times[r]):.3f})"
                                              for r in (False, True)) + " |")
+    def no_fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    real, os.posix_fallocate = os.posix_fallocate, no_fallocate  # a file system without fallocate: zeros written
+    try:
+        zeros = [create(folder, files[13:14], True) for _ in range(args.repeats)]
+    finally:
+        os.posix_fallocate = real
+    print(f"\nwithout fallocate (zeros written), one {files[13][1] / 2**30:.2f} GiB file: {min(zeros):.3f} s (of "
+          f"{args.repeats}, max {max(zeros):.3f}); the store's files at that rate: "
+          f"{min(zeros) * sum(s for _, s in files) / files[13][1]:.0f} s")
     out = args.workdir / "k.safetensors"
     start = time.perf_counter()
     for _ in range(100):
