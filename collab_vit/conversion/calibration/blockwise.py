@@ -13,7 +13,8 @@ on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step co
 backward on the minibatch, not the whole model's (a whole-model refinement); the sensitivities and the first layer's
 tokens are held in memory-mapped files of the conversion's state folder (``state.py``: ``(samples x layers + 1) x
 images x tokens x D`` floats, and ``WORKING`` token tensors of all the images while a layer is refined:
-``cache_bytes`` estimates them from one image, checked against the free disk before the recipe starts), so the
+``cache_bytes`` estimates them from one image; ``Footprint`` counts them with every other file the conversion writes,
+checked against the free disk before the recipe starts), so the
 process holds the model and a batch whatever the number of images; the sensitivity pass's batch is cut so that its
 autograd graph stays within ``GRAPH_BYTES``. Each refined layer is committed to the state folder, and a run of the
 same key resumes after the last one committed. A layer whose mean loss over all the images
