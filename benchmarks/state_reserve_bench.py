@@ -6,8 +6,8 @@ on DeiT-B's architecture, the recipe's split and samples; in the store's order: 
 tokens and every layer's sensitivities, then per layer the refinement's ``WORKING`` files, recreated layer by layer),
 once sparse as before (``truncate``) and once reserved (``state.reserve``: ``posix_fallocate``), removing them after
 each pass, and times both; then one sensitivities-sized file filled through a mapping, sparse against reserved (the
-write cost the reservation may move); then one such file with zeros written (a file system without fallocate); then the lock (``hold`` and its release:
-``beside``). Prints a Markdown table and lines.
+write cost the reservation may move); then one such file with zeros written (a file system without fallocate); then
+the lock (``hold`` and its release: ``beside``). Prints a Markdown table and lines.
 """
 from __future__ import annotations
 

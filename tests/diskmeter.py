@@ -4,9 +4,9 @@ measured, for the tests of the disk estimate (``tests/test_disk_estimate.py``).
 The command runs as a user runs it; this process also records the estimate the conversion checked against the free
 disk (``blockwise.check_space``'s ``disk``) and the most bytes the files of ``--out``'s folder took at once: sampled
 after each file of the state is created (``state.reserve``) and before each rename of an atomic write (the temporary
-copy beside the file it replaces, a folder's staged copy), as every file there in whole blocks of its file system plus the files removed
-while still mapped (``/proc/self/maps``), which keep their blocks, less what was there before. ``METER_OUT`` names the JSON file written at exit:
-``{"estimate": bytes, "peak": bytes}``.
+copy beside the file it replaces, a folder's staged copy), as every file there in whole blocks of its file system
+plus the files removed while still mapped (``/proc/self/maps``), which keep their blocks, less what was there before.
+``METER_OUT`` names the JSON file written at exit: ``{"estimate": bytes, "peak": bytes}``.
 """
 METERED = r"""
 import atexit, json, os, sys

@@ -230,7 +230,8 @@ def test_a_conversion_that_would_not_fit_is_one_line_before_any_work(tmp_path, m
                   "--calibration-data-dir", data, "--calibration-images", "200"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 1
-    assert ("MiB beside the output (tokens, sensitivities and the output)" if short == "disk" else "GiB in memory") in err
+    expected = "MiB beside the output (tokens, sensitivities and the output)" if short == "disk" else "GiB in memory"
+    assert expected in err
     assert err.endswith("too little for two calibration images: make room, or convert weight-only (without "
                         "--calibration-data-dir)")
     assert sorted(tmp_path.iterdir()) == before  # nothing written beside the source: no output, no state folder
