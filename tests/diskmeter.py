@@ -3,7 +3,7 @@ measured, for the tests of the disk estimate (``tests/test_disk_estimate.py``).
 
 The command runs as a user runs it; this process also records the estimate the conversion checked against the free
 disk (``blockwise.check_space``'s ``disk``) and the most bytes the files of ``--out``'s folder took at once: sampled
-after each file of the state is created (``state.reserve``) and before each rename of an atomic write (the temporary
+after each file of the state is created (``Store.empty``) and before each rename of an atomic write (the temporary
 copy beside the file it replaces, a folder's staged copy), as every file there in whole blocks of its file system
 plus the files removed while still mapped (``/proc/self/maps``), which keep their blocks, less what was there before.
 ``METER_OUT`` names the JSON file written at exit: ``{"estimate": bytes, "peak": bytes}``.
@@ -42,13 +42,15 @@ def sample():
 before = used()  # an earlier output: already on the disk
 
 
-real_reserve, real_check = state.reserve, recipe.check_space
+real_empty, real_check = state.Store.empty, recipe.check_space
 
 
-def reserve(path, size):
-    real_reserve(path, size)
-    sizes[os.stat(path).st_ino] = size
+def empty(self, name, *args, **kwargs):
+    tensor = real_empty(self, name, *args, **kwargs)
+    st = os.stat(self.folder / f"{name}.bin")
+    sizes[st.st_ino] = st.st_size
     sample()
+    return tensor
 
 
 def check_space(disk, memory, advice):
@@ -71,7 +73,7 @@ class Os:  # weights_io's view of the os module: each rename sampled first
         return os.rename(src, dst, *rest, **kwargs)
 
 
-state.reserve, recipe.check_space, weights_io.os = reserve, check_space, Os()
+state.Store.empty, recipe.check_space, weights_io.os = empty, check_space, Os()
 atexit.register(lambda: Path(os.environ["METER_OUT"]).write_text(json.dumps(seen)))
 from collab_vit.cli import main
 main(args)
