@@ -191,7 +191,7 @@ def main() -> None:
         return rest + per_image * fit + steps * depth * per_step
 
     projected = projection(per_image, per_step)
-    tokens = cache_bytes(source, originals, images[:1], fit, recipe.samples, 1)  # what the recipe checks
+    tokens = cache_bytes(source, originals, images[:1], fit, recipe.samples, 1)  # the refinement's store (Footprint)
     print(f"{args.model}, key dim {args.key_dim}; {platform.machine()}, {args.device}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}\n")
     print("| conversion | wall s | token capture s | held-out KL weight-only / closed form | x weight-only |\n"

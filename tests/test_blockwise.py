@@ -230,35 +230,31 @@ def test_a_conversion_that_would_not_fit_is_one_line_before_any_work(tmp_path, m
                   "--calibration-data-dir", data, "--calibration-images", "200"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exit_info.value.code == 1
-    assert ("GiB of tokens and sensitivities beside the output" if short == "disk" else "GiB in memory") in err
-    assert err.endswith("too little for two images: use --effort fast")
+    expected = "MiB beside the output (tokens, sensitivities and the output)" if short == "disk" else "GiB in memory"
+    assert expected in err
+    assert err.endswith("too little for two calibration images: make room, or convert weight-only (without "
+                        "--calibration-data-dir)")
     assert sorted(tmp_path.iterdir()) == before  # nothing written beside the source: no output, no state folder
 
 
 def test_a_refused_conversion_names_the_most_calibration_images_that_fit() -> None:
     """The refusal names the largest count of calibration images whose files fit on the disk (a quarter of them held
-    out, as the recipe does), and that count passes the check; one more image does not."""
-    from collab_vit.conversion.calibration import state
+    out, as the recipe does: ``blockwise.Footprint``), and that count passes the check; one more image does not."""
+    from collab_vit.conversion.calibration import blockwise, state
     from collab_vit.conversion.calibration.recipe import Recipe, plan, split
 
     model = small("deit_tiny_patch16_224")
     layers = timm_attention_layers(model)
     images = torch.randn(200, 3, 32, 32)
-    per_image = blockwise_cache(model, layers, images)
+    files = blockwise.footprint(model, [a for _, a in layers], images[:1], Recipe().samples, 1)
+    room = files.bytes(split(150, None), 150 - split(150, None), True)  # 113 fitting images, 37 held out
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(state, "disk_free", lambda *a: split(150, None) * per_image)  # 113 fitting images
+        mp.setattr(state, "disk_free", lambda *a: room)
         with pytest.raises(MemoryError, match=r"use at most 150 calibration images \(--calibration-images 150\)"):
             plan(model, layers, images, Recipe(), 1, 2)
-        assert plan(model, layers, images[:150], Recipe(), 1, 2).disk == split(150, None) * per_image
+        assert plan(model, layers, images[:150], Recipe(), 1, 2).disk == room
         with pytest.raises(MemoryError):
             plan(model, layers, images[:151], Recipe(), 1, 2)
-
-
-def blockwise_cache(model: torch.nn.Module, layers: list, images: torch.Tensor) -> int:
-    from collab_vit.conversion.calibration import blockwise
-    from collab_vit.conversion.calibration.recipe import Recipe
-
-    return blockwise.cache_bytes(model, [a for _, a in layers], images[:1], 1, Recipe().samples, 1)
 
 
 def test_the_cache_estimate_is_what_the_cache_holds() -> None:

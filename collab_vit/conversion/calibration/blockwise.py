@@ -13,7 +13,8 @@ on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step co
 backward on the minibatch, not the whole model's (a whole-model refinement); the sensitivities and the first layer's
 tokens are held in memory-mapped files of the conversion's state folder (``state.py``: ``(samples x layers + 1) x
 images x tokens x D`` floats, and ``WORKING`` token tensors of all the images while a layer is refined:
-``cache_bytes`` estimates them from one image, checked against the free disk before the recipe starts), so the
+``cache_bytes`` estimates them from one image; ``Footprint`` counts them with every other file the conversion writes,
+checked against the free disk before the recipe starts), so the
 process holds the model and a batch whatever the number of images; the sensitivity pass's batch is cut so that its
 autograd graph stays within ``GRAPH_BYTES``. Each refined layer is committed to the state folder, and a run of the
 same key resumes after the last one committed. A layer whose mean loss over all the images
@@ -234,12 +235,9 @@ def resident_bytes(pid: int | str = "self") -> int:
         return 0
 
 
-def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,
-                kept: Optional[int] = None) -> int:
-    """The bytes the blockwise refinement's store holds (on disk: ``state.py``) for ``images`` images, ``samples``
-    classes and the tokens of the first ``kept`` layers: each layer's tokens of ``image`` (one image, one forward
-    pass), float32 at least, ``samples`` times and once more for the layers whose tokens are held (``layer_inputs``),
-    and ``WORKING`` times the largest (a layer's refinement), ``images`` times."""
+def token_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor) -> list[int]:
+    """The bytes of one image's tokens of each of ``layers`` as the store holds them (float32 at least), from one
+    forward pass of ``image`` (one image)."""
     sizes: list[int] = []
     handles = [layer.register_forward_pre_hook(lambda m, a: sizes.append(a[0][0].numel() * max(a[0].element_size(), 4)))
                for layer in layers]
@@ -249,20 +247,78 @@ def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images
     finally:
         for handle in handles:
             handle.remove()
+    return sizes
+
+
+def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,
+                kept: Optional[int] = None) -> int:
+    """The bytes the blockwise refinement's store holds (on disk: ``state.py``) for ``images`` images, ``samples``
+    classes and the tokens of the first ``kept`` layers: each layer's tokens of ``image`` (``token_bytes``),
+    ``samples`` times and once more for the layers whose tokens are held (``layer_inputs``), and ``WORKING`` times the
+    largest (a layer's refinement), ``images`` times."""
+    sizes = token_bytes(model, layers, image)
     return (sum(sizes) * samples + sum(sizes[:kept]) + WORKING * max(sizes)) * images
 
 
+STATE_BYTES = (1024, 128, 26)  # state.json at most: its keys and file names, then per layer its summary and one loss
+# per step (a float's longest repr, 24 characters, with its separator)
+LOCK_BYTES = 256  # the lock file: its holder's pid and host
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Every file a calibrated conversion writes beside its output, by its bytes per image or fixed (``footprint``):
+    what ``plan`` checks against the free disk before the first image. Each file takes whole blocks."""
+
+    tokens: list[int]  # one image's tokens of each layer (``token_bytes``)
+    samples: int  # classes drawn per image: the sensitivities of each layer
+    fixed: list[int]  # the lock and the state (twice: it is replaced by a copy written beside it)
+    layers: list[int]  # each refined layer's committed weights (``state.expect_output``)
+    output: list[int]  # the output's files (``state.expect_output``)
+    block: int  # the file system's allocation unit (``state.block_bytes``)
+
+    def bytes(self, fit: int, held: int, refined: bool) -> int:
+        """The most that the state folder and the output hold at once for ``fit`` fitting and ``held`` held-out
+        images: the store at its fullest (the held-out tokens, ``capture``; with ``refined`` the refinement's files,
+        ``layer_inputs`` and ``WORKING``, and its committed layers), or the output written beside the committed
+        layers once the store's files are gone (``Store.close``)."""
+        store = self.fixed + [held * t for t in self.tokens]
+        if refined:
+            store += [fit * t for t in (self.tokens[0], *(self.samples * t for t in self.tokens))]
+            store += [fit * max(self.tokens)] * WORKING + self.layers
+        end = self.fixed[:2] + (self.layers if refined else []) + self.output
+        return max(self.on_disk(store), self.on_disk(end))
+
+    def on_disk(self, sizes: Iterable[int]) -> int:
+        return sum(-(-size // self.block) * self.block for size in sizes)
+
+
+def footprint(model: nn.Module, layers: list[nn.Module], image: Tensor, samples: int, steps: int) -> Footprint:
+    """The ``Footprint`` of a calibrated conversion of ``model`` (``layers``: its attention layers) with ``samples``
+    classes per image and ``steps`` refinement steps per layer, from one forward pass of ``image``."""
+    state_json = STATE_BYTES[0] + len(layers) * (STATE_BYTES[1] + STATE_BYTES[2] * steps)
+    output, weights = state.output_bytes()  # without them (no output): each layer's at most its source layer's
+    weights = weights or [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    return Footprint(token_bytes(model, layers, image), samples, [LOCK_BYTES, state_json, state_json], weights,
+                     output, state.block_bytes())
+
+
 def check_space(disk: float, memory: float, advice: Callable[[int, int], str]) -> None:
-    """A one-line ``MemoryError`` before any work where the store's files (``disk`` bytes: tokens and sensitivities,
-    ``cache_bytes``) would not fit on the disk of the state folder, or what the conversion holds in memory
+    """A one-line ``MemoryError`` before any work where the files of the state folder and the output (``disk``
+    bytes: ``Footprint.bytes``) would not fit on the disk of the state folder, or what the conversion holds in memory
     (``memory`` bytes) in the host's; ``advice(free disk, available memory)``: what to do instead."""
     free, available = state.disk_free(), available_bytes()
     if disk > free:
-        raise MemoryError(f"the blockwise refinement writes {disk / 2**30:.1f} GiB of tokens and sensitivities beside "
-                          f"the output; {free / 2**30:.1f} GiB is free there: {advice(free, available)}")
+        raise MemoryError(f"the calibrated conversion writes {size(disk)} beside the output (tokens, sensitivities "
+                          f"and the output); {size(free)} is free there: {advice(free, available)}")
     if memory > available:
         raise MemoryError(f"the calibrated conversion holds {memory / 2**30:.1f} GiB in memory for these images; "
                           f"{available / 2**30:.1f} GiB is available: {advice(free, available)}")
+
+
+def size(count: float) -> str:
+    """``count`` bytes in GiB, or in MiB below one GiB."""
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator

@@ -38,7 +38,7 @@ from ..weights.fit import LayerFit, fit_attention, tensor_error
 from ..weights import rotary_fit
 from .guard import Verdict, held_out_split, judge, per_image_kl
 from . import state
-from .blockwise import (GRAPH_BYTES, bf16_parts, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
+from .blockwise import (GRAPH_BYTES, bf16_parts, check_space, converted_calls, footprint, layer_inputs, refine_blocks,
                         resident_bytes, saved_per_image)
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
@@ -259,6 +259,13 @@ def bf16_of(recipe: Recipe, model: nn.Module) -> bool:
     return bf16_native(first.device) if recipe.bf16 is None else bool(recipe.bf16)
 
 
+def computed_on(device: torch.device) -> dict[str, str]:
+    """What the numbers of a run depend on beside its inputs, for the resume key (``state.py``): the device's type and
+    model (another GPU runs other kernels) and torch's version."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {"device": device.type, "model": name, "torch": torch.__version__}
+
+
 class RecipeRun:
     """One calibrated conversion under way: the source's data (``capture``: the seed draws the held-out images), and
     how candidates are fitted (``method``, seeded), refined, installed in ``model`` and measured on the
@@ -270,7 +277,8 @@ class RecipeRun:
         self.builder, self.originals = builder, [attn for _, attn in layers]
         self.bf16 = bf16_of(recipe, model)
         self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16}, method, seed,
-                                                   type(builder.fit).__name__ if builder.fit else "standard"))
+                                                   type(builder.fit).__name__ if builder.fit else "standard",
+                                                   computed_on(next(model.parameters()).device)))
         try:
             with self.store.use():
                 self.source = capture(model, layers, images, recipe, seed, progress)
@@ -390,14 +398,14 @@ class Plan:
     images: int
     fit: int
     passes: float  # of each layer's refinement over the fitting images (0: none)
-    disk: int  # bytes of the state folder's files (``blockwise.cache_bytes``)
+    disk: int  # bytes of the state folder's files and the output at most (``blockwise.Footprint``)
     memory: int  # bytes held in memory: the process, the images, the sensitivity pass's graph, the converted copy
     seconds: float  # projected on this machine, the closed-form fits aside
     device: str
 
     def line(self) -> str:
         refine = f", each layer refined in {self.passes:g} passes" if self.passes else ""
-        disk = f", {self.disk / 2**30:.1f} GiB on disk beside the output" if self.passes else ""
+        disk = f", {self.disk / 2**30:.1f} GiB on disk beside the output"
         return (f"calibrated conversion: {self.images} images ({self.fit} fitted, {self.images - self.fit} held out)"
                 f"{refine}; holds {self.memory / 2**30:.1f} GiB in memory{disk}; about {self.seconds / 60:.0f} min "
                 f"on this {self.device} beside the closed-form fits")
@@ -408,27 +416,32 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     """The conversion's ``Plan`` for ``images`` and ``steps`` refinement steps per layer (``starts`` closed forms
     measured): its disk and memory checked against the host's before any work (a refusal names how many calibration
     images would fit) and its time projected from one timed forward pass (``COST``)."""
-    per_image = cache_bytes(model, [a for _, a in layers], images[:1], 1, recipe.samples, 1)
+    files = footprint(model, [a for _, a in layers], images[:1], recipe.samples, steps)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     # the sensitivity pass's graph and twice as much again for its backward's gradients and the allocator's slack,
     # beside the process as it is now (the source model in it) and the converted copy (DeiT-B: with twice the graph
     # the estimate was 0.8 GiB below the measured peak, RESULTS.md "DeiT-B conversion cost")
     fixed = resident_bytes() + weights + 3 * min(GRAPH_BYTES, saved_per_image(model, images[:2]) * recipe.batch_size)
 
-    def needs(m: int) -> tuple[int, int]:  # the images twice: the caller's and ``capture``'s copy in the split's order
-        return split(m, recipe.holdout) * per_image if steps else 0, 2 * m * images[0].numel() * 4 + fixed
+    def needs(m: int, refined: bool = steps > 0) -> tuple[int, int]:  # the images twice: the caller's and
+        fit = split(m, recipe.holdout)  # ``capture``'s copy in the split's order
+        return files.bytes(fit, m - fit, refined), 2 * m * images[0].numel() * 4 + fixed
 
-    def fits(m: int, free: int, available: int) -> bool:
+    def fits(m: int, free: int, available: int, refined: bool = steps > 0) -> bool:
         try:
-            disk, memory = needs(m)
+            disk, memory = needs(m, refined)
         except ValueError:  # a holdout of at least ``m``
             return False
         return disk <= free and memory <= available
 
-    def advice(free: int, available: int) -> str:
-        most = next((m for m in range(images.shape[0] - 1, 1, -1) if fits(m, free, available)), None)
-        return (f"use at most {most} calibration images (--calibration-images {most}) or --effort fast"
-                if most is not None else "too little for two images: use --effort fast")
+    def advice(free: int, available: int) -> str:  # each count named is checked as the run checks it
+        n = images.shape[0]
+        most = next((m for m in range(n - 1, 1, -1) if fits(m, free, available)), None)
+        fast = "--effort fast" if steps and fits(n, free, available, False) else ""
+        if most is not None:
+            return f"use at most {most} calibration images (--calibration-images {most})" + (f" or {fast}" * bool(fast))
+        return (f"too little for two images: use {fast}" if fast else "too little for two calibration images: make "
+                "room, or convert weight-only (without --calibration-data-dir)")
 
     disk, memory = needs(images.shape[0])
     check_space(disk, memory, advice=advice)

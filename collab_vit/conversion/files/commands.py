@@ -7,6 +7,7 @@ and keyword arguments, which are then used as they are (any size, image size, ch
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -24,11 +25,13 @@ from ...weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_fol
 from ..weights.whitening import DEFAULT_RIDGE
 from ..calibration.capture import calibration_images
 from ..weights.dims import KeyDimSpec, check_spec, layer_dims
+from ..calibration import state
 from ..calibration.recipe import Recipe
-from .record import converted_record, rebuild_problem
+from .record import converted_record, full_rank_record, rebuild_problem, swap_layers
 from ..reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
-from ..weights.rotary import is_rotary
-from ..weights.support import Support, check_model
+from ..weights.rotary import is_rotary, rotary_like
+from ..calibration.blockwise import PARAMS
+from ..weights.support import Support, attention_forms, check_model
 
 
 RANDOM = "none"  # --checkpoint none: the architecture's random initialisation (to try the tool, or offline)
@@ -226,6 +229,36 @@ def check_dims(model: nn.Module, layers: list[tuple[str, nn.Module]], key_dim: K
                    beyond="--key-dim" if beyond else None)
 
 
+REPORT_BYTES = (4096, 1024)  # a JSON report of the output (its sidecar, its metadata, a folder's config.json) at
+# most: a fixed part and a part per attention layer (measured: 2145 bytes for two layers, its layers' lines 250 each)
+TENSOR_HEADER = 96  # bytes of a tensor's entry in a safetensors header beside its name (dtype, shape, offsets)
+
+
+def output_files(model: nn.Module, key_dim: KeyDimSpec, kind: str) -> tuple[list[int], list[int]]:
+    """The bytes of each file the conversion of ``model`` at ``key_dim`` writes (``kind``: ``output_kind``'s) and of
+    each refined layer's weights as the state folder commits them (``blockwise.PARAMS``): from a copy of ``model`` on
+    the meta device whose attention layers are swapped for the collaborative ones (``record.swap_layers``), each
+    weights file with its header, and its reports (``REPORT_BYTES``)."""
+    memo: dict[int, Any] = {id(t): torch.empty_like(t, device="meta") for t in model.buffers()}
+    memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()})
+    skeleton = copy.deepcopy(model, memo)  # no tensor copied
+    record = full_rank_record(skeleton)
+    forms = attention_forms(skeleton)
+    for (name, form), dim in zip(forms, layer_dims(key_dim, forms)):
+        record[name]["key_dim"] = dim
+        if is_rotary(form, skeleton):
+            record[name]["layer"] = type(rotary_like(form, dim)).__name__
+
+    def stored(tensors: dict[str, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() + len(name) + TENSOR_HEADER for name, t in tensors.items())
+
+    weights = stored(swap_layers(skeleton, record).state_dict())
+    layers = [stored({k: p for k, p in skeleton.get_submodule(name).named_parameters() if k in PARAMS})
+              for name in record]
+    report = REPORT_BYTES[0] + REPORT_BYTES[1] * len(record)
+    return [weights + report, report] + ([report] if kind == "folder" else []), layers
+
+
 def convert_to_file(model_name: Optional[str], key_dim: KeyDimSpec, out: Path,
                     checkpoint: Optional[str] = None, seed: int = 0, model_kwargs: Optional[dict[str, Any]] = None,
                     calibration: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None, device: str = "cpu",
@@ -250,11 +283,14 @@ def convert_to_file(model_name: Optional[str], key_dim: KeyDimSpec, out: Path,
         raise ValueError(f"--out {out}: a folder output needs save_folder (collab_vit.save_pretrained)")
     if model_name:
         check_source(model_name, model_kwargs, key_dim)  # an unsupported model fails before any download
+    if calibration is not None:
+        state.hold()  # one run per output: another one on the same --out is refused here, before any work
     model, model_name, source_kwargs, meta = load_source(model_name, checkpoint, model_kwargs, seed)
     support = check_model(model)
     check_dims(model, timm_attention_layers(model), key_dim)
     model.to(device)
     if calibration is not None:
+        state.expect_output(*output_files(model, key_dim, kind))  # counted in the disk check before the first image
         options["calibration"] = calibration(model, meta)
     reports = convert_model(model, key_dim, "tucker", options.get("calibration"), options.get("effort", "default"),
                             seed, options.get("progress", True), options.get("recipe") or Recipe())
