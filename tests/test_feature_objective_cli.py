@@ -1,7 +1,7 @@
-"""``collab-vit convert`` on a model without a head (a DINOv2 of the family table, ``num_classes=0``), in a process of
-its own: the calibrated conversion scores the candidates on the features (``objective.py``: ``1 - cosine`` to the
-source's), says so, and keeps the candidate whose features are nearer the source's, where a softmax over the
-features (the objective every model had before) cannot tell the candidates apart."""
+"""``collab-vit convert`` on models without a head (the family table's DINOv2 and RoPE-ViT, ``num_classes=0``), in a
+process of its own: the calibrated conversion scores the candidates on the features (``objective.py``: ``1 -
+cosine`` to the source's), says so, and keeps the candidate whose features are nearer the source's, where a softmax
+over the features (the objective every model had before) cannot tell the candidates apart."""
 from __future__ import annotations
 
 import copy
@@ -83,3 +83,32 @@ def test_convert_calibrates_a_feature_model_on_its_features(tmp_path) -> None:
     assert summary["held_out_cosine"] > summary["weight_only_cosine"]
     assert abs(summary["held_out_cosine"] - (1 - summary["held_out_kl"])) < 1e-12
     assert f"held-out cosine to the source's features: {summary['held_out_cosine']:.6f}" in done.out
+
+
+def test_convert_calibrates_a_rotary_feature_model_on_its_features(tmp_path) -> None:
+    """The rotary family (RoPE-ViT of the family table, ``num_classes=0``), through the command: its candidates (the
+    strongest-pairs selection among them) are scored by the cosine objective, recorded with the held-out cosines,
+    and the one kept is never farther from the source's features than weight-only on the held-out images."""
+    from collab_vit.conversion.files import families
+
+    design = next(f.design for f in families.FAMILIES if f.name == "RoPE-ViT")
+    kwargs = {**design.small_kwargs(), "num_classes": 0}
+    torch.manual_seed(0)
+    model = timm.create_model(design.model, **kwargs).eval()
+    size = kwargs["img_size"]
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=8, val_per_class=1, size=size)
+    source = tmp_path / "rope.safetensors"
+    config = {"input_size": [3, size, size], "mean": [0.5] * 3, "std": [0.25] * 3, "crop_pct": 1.0,
+              "interpolation": "bicubic", "crop_mode": "center"}
+    export_safetensors(model.state_dict(), str(source), design.model, kwargs, {"data_config": config})
+    out = tmp_path / "converted.safetensors"
+    done = warmstart.run([sys.executable, CLI, "convert", "--checkpoint", str(source), "--key-dim", "8", "--out",
+                          str(out), "--calibration-data-dir", data, "--effort", "fast"], tmp_path,
+                         {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.code == 0, done.why()
+    assert "1 - cosine to the source's features (objective: cosine) on 6 held-out images" in done.out
+    summary = json.loads(out.with_suffix(".json").read_text())["calibration"]
+    assert summary["objective"] == "cosine" and set(summary["candidates"]) == {"weight", "whitened", "select"}
+    assert summary["held_out_kl"] <= summary["weight_only_kl"]
+    assert summary["held_out_cosine"] >= summary["weight_only_cosine"]
+    assert "held-out cosine to the source's features: " in done.out
