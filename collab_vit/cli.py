@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -12,8 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 import timm
 import torch
 
-from .checks import positive_int
-from .console import run_command
+from .checks import fraction, integer, positive_int
+from .console import BAD_INPUT, fail, run_command
 from .conversion.weights.dims import REMOVED
 from .conversion.files.families import family_names_short
 from .conversion.calibration.recipe import DEFAULT_IMAGES, EFFORTS, IMAGES, PASSES, check_effort
@@ -131,7 +132,7 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
                            "subfolder is used as it is; default: none, weights only)")
     data.add_argument("--calibration-dataset", default="",
                       help="timm dataset name: torch/fashion_mnist, ... (default: '', ImageFolder)")
-    data.add_argument("--calibration-images", type=int, default=None,
+    data.add_argument("--calibration-images", type=flag_type(positive_int, "--calibration-images"), default=None,
                       help="images drawn at random (--seed) from it (default: " + ", ".join(
                           f"{n} at --effort {e}" for e, n in IMAGES.items()) + ")")
     return data
@@ -153,7 +154,7 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from .conversion.files.commands import convert_to_file, format_report, format_summary, parse_key_dim
+    from .conversion.files.commands import convert_to_file, format_report, format_summary, output_kind, parse_key_dim
     from .conversion.calibration.state import beside
     from .conversion.weights.support import kept_text
     from .hub import save_pretrained
@@ -165,6 +166,7 @@ def _convert(args: argparse.Namespace) -> None:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
+    output_kind(args.out)  # its folder exists and takes files, before any model is built or image read
     calibration = _calibration(args)
     with beside(args.out):  # a stopped conversion resumes from <out>.partial, removed once --out is written
         reports = convert_to_file(args.model, key_dim, args.out, args.checkpoint, seed=args.seed,
@@ -214,8 +216,37 @@ def add_source_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: none, the name's or the checkpoint's)")
 
 
+OUT_PARENT = ("its folder must exist and be writable (checked before any work; a missing folder is refused, not "
+              "created, so a mistyped path does not go unnoticed)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as every other bad input: one line on stderr (``collab-vit convert: error: ...``, no
+    usage block), exit 2. A flag's value checked by ``flag_type`` reads as the package's checks word it."""
+
+    def error(self, message: str) -> None:
+        message = re.sub(r"^argument (\S+): (?=\1 )", "", message)  # "argument --seed: --seed must ..." once
+        sys.exit(fail(BAD_INPUT, f"{self.prog}: error: {message}"))
+
+
+def flag_type(check: Callable[[object, str], Any], name: str, parse: Callable[[str], Any] = int
+              ) -> Callable[[str], Any]:
+    """An argparse ``type=``: the text read by ``parse`` (``int``, ``float``), then ``check(value, name)`` (a
+    ``checks`` function); either's failure is the check's one line (``--seed must be an integer, got 'x'``)."""
+    def read(text: str) -> Any:
+        try:
+            value: object = parse(text)
+        except ValueError:
+            value = text
+        try:
+            return check(value, name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return read
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="collab-vit", description="Collaborative attention for timm ViTs: model table, "
+    parser = Parser(prog="collab-vit", description="Collaborative attention for timm ViTs: model table, "
                                      "exact-conversion demo, post-hoc conversion (convert), redundancy spectrum "
                                      "(analyze), offline data sets (prepare-data).")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -235,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--key-dim", required=True, help="int (every layer) or comma list (one per layer); "
                          "collab-vit analyze suggests one")
     convert.add_argument("--out", type=Path, required=True,
-                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json")
-    convert.add_argument("--seed", type=int, default=0,
+                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json; "
+                         f"{OUT_PARENT}")
+    convert.add_argument("--seed", type=flag_type(integer, "--seed"), default=0,
                          help="seed of the decompositions, refinement and calibration draw (default: %(default)s)")
     convert.add_argument("--device", default=None, help="forward passes and refinement, every tensor of a layer's "
                          "refinement on it: cpu, cuda, cuda:1 (default: cuda where one is available, as train.py)")
@@ -254,10 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   f"for the models convert takes ({FAMILY_LIST}, ...). {REFUSED_TEXT}")
     add_source_flags(analyze)
     analyze.add_argument("--out", type=Path, required=True,
-                         help="folder for spectrum.md (table, suggestions) and spectrum.png (one curve per layer)")
-    analyze.add_argument("--threshold", type=float, default=0.95,
+                         help="folder for spectrum.md (table, suggestions) and spectrum.png (one curve per layer); "
+                         f"{OUT_PARENT}")
+    analyze.add_argument("--threshold", type=flag_type(fraction, "--threshold", float), default=0.95,
                          help="energy fraction every layer keeps in the suggested key dim (default: %(default)s)")
-    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw and of --checkpoint "
+    analyze.add_argument("--seed", type=flag_type(integer, "--seed"), default=0, help="seed of the calibration images' draw and of --checkpoint "
                          "none's weights (default: %(default)s)")
     add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)

@@ -472,10 +472,10 @@ def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Can
 
 def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], method: str, images: Tensor,
                effort: str, seed: int, progress: bool, recipe: Recipe, builder: Builder = STANDARD
-               ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
+               ) -> tuple[list[LayerFit], list[Optional[tuple[Tensor, dict]]], dict]:
     """Fit, refine and measure the candidates at ``dims`` (one key dim per layer: ``dims.layer_dims``); swap the one
-    ``choose`` keeps into ``model``. Returns its fits, the held-out tokens of
-    every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
+    ``choose`` keeps into ``model``. Returns its fits, every layer's call on the held-out images (its tokens and
+    keywords, a rotary layer's rope: the report's output errors, on the images the guard holds out) and a summary (key dims, candidates, held-out KL, the guard's
     verdicts, which won, by how much)."""
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     kinds = {c.split("+")[1] for c in pinned if "+" in c} if pinned is not None else {EFFORTS[effort]} - {""}
@@ -493,7 +493,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list
 
 
 def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str, int],
-                   pinned: Optional[list[str]]) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
+                   pinned: Optional[list[str]]) -> tuple[list[LayerFit], list[Optional[tuple[Tensor, dict]]], dict]:
     """``calibrated``'s candidates fitted, refined, measured and chosen on ``run``."""
     builder, layers, method, recipe, seed = run.builder, run.layers, run.method, run.recipe, run.seed
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
@@ -510,7 +510,8 @@ def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str
     best, verdicts = choose([found[c] for c in pinned] if pinned is not None else list(found.values()),
                             recipe.confidence, seed)
     run.finish(best)
-    return best.fits, run.source.held_tokens, summarize(run, found, best, verdicts, effort,
+    held = [None if t is None else (t, keywords) for t, keywords in zip(run.source.held_tokens, run.keywords)]
+    return best.fits, held, summarize(run, found, best, verdicts, effort,
                                                               steps[refined[0].split("+")[1]] if refined else 0)
 
 
