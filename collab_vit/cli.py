@@ -17,6 +17,7 @@ from .checks import fraction, integer, positive_int
 from .console import BAD_INPUT, fail, run_command
 from .conversion.weights.dims import REMOVED
 from .conversion.files.families import family_names_short
+from .conversion.calibration.capture import Pixels
 from .conversion.calibration.recipe import DEFAULT_IMAGES, EFFORTS, IMAGES, PASSES, check_effort
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
@@ -104,6 +105,22 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
     config) or else of the model's pretrained cfg.
     """
+    return _calibration_set(dataset, data_dir, split, images, model, data_config, seed, batch_size)[0]
+
+
+def calibration_pixels(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
+                       data_config: Optional[dict[str, Any]] = None, seed: int = 0, batch_size: int = 64) -> Pixels:
+    """:func:`calibration_loader`'s images as their uint8 pixels (``capture.Pixels``: the transform up to
+    ``ToTensor``, and its ``Normalize``), a quarter of the bytes while a conversion holds them."""
+    loader, cfg = _calibration_set(dataset, data_dir, split, images, model, data_config, seed, batch_size, True)
+    return Pixels(loader, tuple(cfg["mean"]), tuple(cfg["std"]))
+
+
+def _calibration_set(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
+                     data_config: Optional[dict[str, Any]], seed: int, batch_size: int, pixels: bool = False
+                     ) -> tuple[torch.utils.data.DataLoader, dict[str, Any]]:
+    """The seeded draw of :func:`calibration_loader` and its data config (``pixels``: uint8, the transform up to
+    ``ToTensor``)."""
     from timm.data import create_transform, resolve_data_config
 
     from .training.data import build_dataset, in_channels
@@ -118,10 +135,10 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     data.bad_image_hint = "remove or replace it: convert does not skip images, so --seed draws the recorded set"
     data.transform = create_transform(cfg["input_size"], is_training=False, interpolation=cfg["interpolation"],
                                       mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
-                                      crop_mode=cfg.get("crop_mode", "center"))
+                                      crop_mode=cfg.get("crop_mode", "center"), use_prefetcher=pixels)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:images].tolist()
     return in_channels(torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size),
-                       cfg["input_size"][0])
+                       cfg["input_size"][0]), cfg
 
 
 def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argparse._ArgumentGroup:
@@ -148,9 +165,8 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
     if images is None:  # the effort's own (convert; analyze reads the default's)
         images = IMAGES.get(getattr(args, "effort", "default"), IMAGES["default"])
     images = positive_int(images, "--calibration-images")  # before any model is read
-    return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
-                                                  "train", images, model,
-                                                  meta.get("data_config"), args.seed)
+    return lambda model, meta: calibration_pixels(args.calibration_dataset, args.calibration_data_dir, "train",
+                                                  images, model, meta.get("data_config"), args.seed)
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -290,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{OUT_PARENT}")
     analyze.add_argument("--threshold", type=flag_type(fraction, "--threshold", float), default=0.95,
                          help="energy fraction every layer keeps in the suggested key dim (default: %(default)s)")
-    analyze.add_argument("--seed", type=flag_type(integer, "--seed"), default=0, help="seed of the calibration images' draw and of --checkpoint "
+    analyze.add_argument("--seed", type=flag_type(integer, "--seed"), default=0,
+                         help="seed of the calibration images' draw and of --checkpoint "
                          "none's weights (default: %(default)s)")
     add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import warmstart
+from resident import REPORT, WATCH
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion.calibration.capture import calibration_images
 from collab_vit.conversion.calibration.guard import held_out_split
@@ -96,6 +97,13 @@ def test_out_in_a_missing_folder_is_refused_before_any_work(family, calibrated, 
     done = run(tmp_path, *convert_args(family, out, data, calibrated), "--checkpoint", str(tmp_path / "nothing.pth"))
     line = refused(done, f"--out {out}: its folder {tmp_path / 'typo'} does not exist (create it first")
     assert "checkpoint" not in line and not (tmp_path / "typo").exists()
+
+
+def test_analyze_out_in_a_missing_folder_is_refused_the_same_way(data, tmp_path) -> None:
+    out = tmp_path / "typo" / "spectrum"
+    done = run(tmp_path, "analyze", *source_flags("standard"), "--out", str(out), "--calibration-data-dir", str(data))
+    refused(done, f"collab-vit analyze: error: --out {out}: its folder {tmp_path / 'typo'} does not exist")
+    assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.parametrize("calibrated", [False, True], ids=["weight-only", "calibrated"])
@@ -183,3 +191,97 @@ def test_the_reports_output_errors_are_measured_on_the_held_out_images(family, d
     held_out, caller_last = errors(images[held_out_split(IMAGES, 0)[fit:]]), errors(images[fit:])
     assert reported == pytest.approx(held_out, rel=1e-4)
     assert caller_last != pytest.approx(held_out, rel=1e-3)
+
+
+# the command, with every image file's opening marked on stdout (as the cost line is printed there)
+MARKED = """
+import sys
+from PIL import Image
+from collab_vit.cli import main
+
+real = Image.open
+
+def marked(*args, **kwargs):
+    print("decoding an image", flush=True)
+    return real(*args, **kwargs)
+
+Image.open = marked
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_cost_line_comes_before_the_images_are_decoded(family, data, tmp_path) -> None:
+    """The line with images, memory, disk and minutes is printed after the files are counted and the first
+    ``capture.PEEK`` decoded (to size them and time one forward pass), before the others are read."""
+    from collab_vit.conversion.calibration.capture import PEEK
+
+    args = convert_args(family, tmp_path / "m.safetensors", data, True)
+    done = warmstart.run([sys.executable, "-c", MARKED, *args], tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.code == 0, done.why()
+    lines = done.out.splitlines()
+    cost = next(i for i, line in enumerate(lines) if line.startswith("calibrated conversion: "))
+    assert lines[:cost] == ["decoding an image"] * PEEK, lines[:cost + 1]
+    assert lines[cost + 1:].count("decoding an image") == IMAGES, done.out
+    assert lines[cost].startswith(f"calibrated conversion: {IMAGES} images (12 fitted, 4 held out)")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pixels_convert_as_the_normalised_images_do_bit_for_bit(family, data) -> None:
+    """The command's uint8 pixels, normalised where they enter the model (``capture.Normalise``), give the weights,
+    the candidates' held-out KL and the report of the float images the evaluation transform gives (``ToTensor`` and
+    ``Normalize``), bit for bit: the same float32 operations on the same values. Refined (``+blocks``), so every
+    pass over the images is compared; the model is put back without the normaliser."""
+    from collab_vit.cli import calibration_pixels
+    from collab_vit.conversion.calibration.recipe import Recipe
+    from collab_vit.conversion.reparam import convert_model
+
+    torch.manual_seed(0)
+    source = timm.create_model(FAMILIES[family], **SMALL).eval()
+    results = []
+    for read in (calibration_loader, calibration_pixels):
+        model = timm.create_model(FAMILIES[family], **SMALL).eval()
+        model.load_state_dict(source.state_dict())
+        report = convert_model(model, 8, "tucker", read("", str(data), "train", IMAGES, model), "default", 0, False,
+                               Recipe(candidates=("whitened+blocks",), refine_steps=3, batch_size=4))
+        results.append((model.state_dict(), report.summary["candidates"], [r.output_error for r in report]))
+    (floats, kl, errors), (pixels, kl_pixels, errors_pixels) = results
+    assert floats.keys() == pixels.keys() and all(torch.equal(floats[k], pixels[k]) for k in floats)
+    assert kl == kl_pixels and errors == errors_pixels
+
+
+PEAK = """
+import sys
+from collab_vit.conversion.calibration import recipe
+from collab_vit.cli import main
+
+recipe.PASSES["default"] = 1  # the memory does not depend on the steps
+""" + WATCH + """
+try:
+    main(sys.argv[1:])
+finally:
+""" + "".join(f"    {line}\n" for line in REPORT.strip().splitlines())
+SIDE = 96  # px: the model's input, the pixels each image is held as
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident memory from Linux's /proc")
+def test_the_calibrated_command_holds_its_images_as_pixels(tmp_path_factory) -> None:
+    """The peak resident memory (``RssAnon + RssShmem``, sampled every 2 ms in a fresh process whose freed blocks go
+    back to the system) of ``collab-vit convert`` with 800 calibration images is above the one with 200 by less than
+    one float32 copy of the 600 more images: the images are held as uint8 pixels (the caller's and ``capture``'s
+    seeded order: two copies of a quarter of float32's bytes, half that bound), where the float images took twice
+    the bound (tokens and sensitivities live in the store's files, whose page cache is not the process's)."""
+    root = tmp_path_factory.mktemp("pixels")
+    folder = make_image_folder(root / "data", classes=4, train_per_class=200, val_per_class=1, size=SIDE)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    kwargs = {**SMALL, "img_size": SIDE, "patch_size": 16}
+    peaks = []
+    for n in (200, 800):
+        args = ["convert", "--model", FAMILIES["standard"], "--checkpoint", "none", "--model-kwargs",
+                *(f"{k}={v}" for k, v in kwargs.items()), "--key-dim", "8", "--out", str(root / f"m{n}.safetensors"),
+                "--calibration-data-dir", folder, "--calibration-images", str(n)]
+        done = subprocess.run([sys.executable, "-c", PEAK, *args], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks.append(int(done.stdout.split()[-1]))
+    float_copy = 600 * 3 * SIDE * SIDE * 4
+    assert peaks[1] - peaks[0] < float_copy, (peaks, float_copy)

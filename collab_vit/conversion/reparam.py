@@ -22,7 +22,7 @@ from ..layers.construction import not_convertible, replace_submodule
 from .weights.whitening import TokenMoments, whitening
 from .weights.dims import REMOVED, KeyDimSpec, check_spec, layer_dims
 from .weights.fit import check_method, fit_attention, layer_from_decomposition, output_error
-from .calibration.capture import Calibration, calibration_images
+from .calibration.capture import Calibration, normalising, peek
 from .calibration.recipe import ROTARY, STANDARD, Builder, Recipe, calibrated, check_effort
 from .weights.rotary import is_rotary, layer_calls
 from .weights.rotary_fit import only_rotary
@@ -165,11 +165,13 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     builder = ROTARY if rotary else STANDARD
     if calibration is None or (rotary and key_dim is None):  # rotary at full rank: exact, nothing to calibrate
         return _weight_only(model, layers, dims, (method, seed, builder), _probe(model, probe, seed), progress)
-    images = calibration_images(calibration, probe_input_size(model), recipe.batch_size)
+    images = peek(calibration, probe_input_size(model), recipe.batch_size)  # counted; the first few read
     was_training = model.training
     model.eval()
     try:  # ``held``: each layer's call on the held-out images (the guard's seeded split), for the output errors
-        fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe, builder)
+        with normalising(model, calibration):  # uint8 pixels normalised where they enter the model
+            fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe,
+                                             builder)
     finally:
         model.train(was_training)
     where = f"{summary['images_held_out']} held-out calibration images" if summary["images_held_out"] \

@@ -192,7 +192,8 @@ def check_parent(out: Path, flag: str = "--out") -> None:
     """A one-line ``ValueError`` unless ``out``'s folder exists and this process can create a file in it (a probe
     file, created and removed: mode bits, ACLs, a read-only mount or a root-squashed share all answer it). A missing
     folder is refused, never created, so a mistyped path does not go unnoticed; checked before any work."""
-    parent = out.absolute().parent
+    out = out.absolute()
+    parent = out.parent
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise ValueError(f"{flag} {out}: its folder {parent} {what} (create it first: the command does not create "
