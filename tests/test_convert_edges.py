@@ -1,7 +1,9 @@
 """``collab-vit convert`` at its edges, run as a user runs it (a new process, stderr to a file), on the standard
 (DeiT) and the rotary (RoPE-ViT) family: an ``--out`` folder that is missing or read-only is one line before any
 work; every bad flag value is one line; the weight-only progress in a log is plain lines; the report's per-layer
-output errors are measured on the images the guard holds out."""
+output errors are measured on the images the guard holds out; the cost line comes before the calibration images are
+decoded, and they are held as uint8 pixels (their memory measured in a fresh process; that they convert bit for bit
+as the float images do, in this one)."""
 from __future__ import annotations
 
 import contextlib
