@@ -29,6 +29,13 @@ def _refuse(name: str, what: str, value: object) -> ValueError:
     return ValueError(f"{name} must be {what}, got {value!r}")
 
 
+def integer(value: object, name: str) -> int:
+    """``value`` as an ``int`` if it is an integer (any sign: a seed)."""
+    if not is_integer(value):
+        raise _refuse(name, "an integer", value)
+    return int(value)
+
+
 def positive_int(value: object, name: str) -> int:
     """``value`` as an ``int`` if it is an integer >= 1."""
     if not is_integer(value) or value <= 0:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ from typing import Any, Callable, Optional, Sequence
 import timm
 import torch
 
-from .checks import positive_int
-from .console import run_command
+from .checks import fraction, integer, positive_int
+from .console import BAD_INPUT, fail, run_command
 from .conversion.weights.dims import REMOVED
 from .conversion.files.families import family_names_short
+from .conversion.calibration.capture import Pixels
 from .conversion.calibration.recipe import DEFAULT_IMAGES, EFFORTS, IMAGES, PASSES, check_effort
 from .conversion.reparam import reparametrize
 from .models import COLLAB_MODELS, CONCAT_MODELS, DEIT_MODELS, layer_key_dim, query_key_params
@@ -103,6 +105,22 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     ``torch/fashion_mnist``, ...); the transform is the evaluation one of ``data_config`` (a file's recorded data
     config) or else of the model's pretrained cfg.
     """
+    return _calibration_set(dataset, data_dir, split, images, model, data_config, seed, batch_size)[0]
+
+
+def calibration_pixels(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
+                       data_config: Optional[dict[str, Any]] = None, seed: int = 0, batch_size: int = 64) -> Pixels:
+    """:func:`calibration_loader`'s images as their uint8 pixels (``capture.Pixels``: the transform up to
+    ``ToTensor``, and its ``Normalize``), a quarter of the bytes while a conversion holds them."""
+    loader, cfg = _calibration_set(dataset, data_dir, split, images, model, data_config, seed, batch_size, True)
+    return Pixels(loader, tuple(cfg["mean"]), tuple(cfg["std"]))
+
+
+def _calibration_set(dataset: str, data_dir: str, split: str, images: int, model: torch.nn.Module,
+                     data_config: Optional[dict[str, Any]], seed: int, batch_size: int, pixels: bool = False
+                     ) -> tuple[torch.utils.data.DataLoader, dict[str, Any]]:
+    """The seeded draw of :func:`calibration_loader` and its data config (``pixels``: uint8, the transform up to
+    ``ToTensor``)."""
     from timm.data import create_transform, resolve_data_config
 
     from .training.data import build_dataset, in_channels
@@ -117,10 +135,10 @@ def calibration_loader(dataset: str, data_dir: str, split: str, images: int, mod
     data.bad_image_hint = "remove or replace it: convert does not skip images, so --seed draws the recorded set"
     data.transform = create_transform(cfg["input_size"], is_training=False, interpolation=cfg["interpolation"],
                                       mean=cfg["mean"], std=cfg["std"], crop_pct=cfg["crop_pct"],
-                                      crop_mode=cfg.get("crop_mode", "center"))
+                                      crop_mode=cfg.get("crop_mode", "center"), use_prefetcher=pixels)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:images].tolist()
     return in_channels(torch.utils.data.DataLoader(torch.utils.data.Subset(data, order), batch_size=batch_size),
-                       cfg["input_size"][0])
+                       cfg["input_size"][0]), cfg
 
 
 def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argparse._ArgumentGroup:
@@ -131,7 +149,7 @@ def add_calibration_flags(parser: argparse.ArgumentParser, purpose: str) -> argp
                            "subfolder is used as it is; default: none, weights only)")
     data.add_argument("--calibration-dataset", default="",
                       help="timm dataset name: torch/fashion_mnist, ... (default: '', ImageFolder)")
-    data.add_argument("--calibration-images", type=int, default=None,
+    data.add_argument("--calibration-images", type=flag_type(positive_int, "--calibration-images"), default=None,
                       help="images drawn at random (--seed) from it (default: " + ", ".join(
                           f"{n} at --effort {e}" for e, n in IMAGES.items()) + ")")
     return data
@@ -147,13 +165,12 @@ def _calibration(args: argparse.Namespace) -> Optional[Callable[[torch.nn.Module
     if images is None:  # the effort's own (convert; analyze reads the default's)
         images = IMAGES.get(getattr(args, "effort", "default"), IMAGES["default"])
     images = positive_int(images, "--calibration-images")  # before any model is read
-    return lambda model, meta: calibration_loader(args.calibration_dataset, args.calibration_data_dir,
-                                                  "train", images, model,
-                                                  meta.get("data_config"), args.seed)
+    return lambda model, meta: calibration_pixels(args.calibration_dataset, args.calibration_data_dir, "train",
+                                                  images, model, meta.get("data_config"), args.seed)
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from .conversion.files.commands import convert_to_file, format_report, format_summary, parse_key_dim
+    from .conversion.files.commands import convert_to_file, format_report, format_summary, output_kind, parse_key_dim
     from .conversion.calibration.state import beside
     from .conversion.weights.support import kept_text
     from .hub import save_pretrained
@@ -165,6 +182,7 @@ def _convert(args: argparse.Namespace) -> None:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is available")
+    output_kind(args.out)  # its folder exists and takes files, before any model is built or image read
     calibration = _calibration(args)
     with beside(args.out):  # a stopped conversion resumes from <out>.partial, removed once --out is written
         reports = convert_to_file(args.model, key_dim, args.out, args.checkpoint, seed=args.seed,
@@ -214,8 +232,37 @@ def add_source_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: none, the name's or the checkpoint's)")
 
 
+OUT_PARENT = ("its folder must exist and be writable (checked before any work; a missing folder is refused, not "
+              "created, so a mistyped path does not go unnoticed)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as every other bad input: one line on stderr (``collab-vit convert: error: ...``, no
+    usage block), exit 2. A flag's value checked by ``flag_type`` reads as the package's checks word it."""
+
+    def error(self, message: str) -> None:
+        message = re.sub(r"^argument (\S+): (?=\1 )", "", message)  # "argument --seed: --seed must ..." once
+        sys.exit(fail(BAD_INPUT, f"{self.prog}: error: {message}"))
+
+
+def flag_type(check: Callable[[object, str], Any], name: str, parse: Callable[[str], Any] = int
+              ) -> Callable[[str], Any]:
+    """An argparse ``type=``: the text read by ``parse`` (``int``, ``float``), then ``check(value, name)`` (a
+    ``checks`` function); either's failure is the check's one line (``--seed must be an integer, got 'x'``)."""
+    def read(text: str) -> Any:
+        try:
+            value: object = parse(text)
+        except ValueError:
+            value = text
+        try:
+            return check(value, name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return read
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="collab-vit", description="Collaborative attention for timm ViTs: model table, "
+    parser = Parser(prog="collab-vit", description="Collaborative attention for timm ViTs: model table, "
                                      "exact-conversion demo, post-hoc conversion (convert), redundancy spectrum "
                                      "(analyze), offline data sets (prepare-data).")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -235,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--key-dim", required=True, help="int (every layer) or comma list (one per layer); "
                          "collab-vit analyze suggests one")
     convert.add_argument("--out", type=Path, required=True,
-                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json")
-    convert.add_argument("--seed", type=int, default=0,
+                         help="X.safetensors (+ X.json report), or a folder: timm's hub layout + conversion.json; "
+                         f"{OUT_PARENT}")
+    convert.add_argument("--seed", type=flag_type(integer, "--seed"), default=0,
                          help="seed of the decompositions, refinement and calibration draw (default: %(default)s)")
     convert.add_argument("--device", default=None, help="forward passes and refinement, every tensor of a layer's "
                          "refinement on it: cpu, cuda, cuda:1 (default: cuda where one is available, as train.py)")
@@ -254,10 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   f"for the models convert takes ({FAMILY_LIST}, ...). {REFUSED_TEXT}")
     add_source_flags(analyze)
     analyze.add_argument("--out", type=Path, required=True,
-                         help="folder for spectrum.md (table, suggestions) and spectrum.png (one curve per layer)")
-    analyze.add_argument("--threshold", type=float, default=0.95,
+                         help="folder for spectrum.md (table, suggestions) and spectrum.png (one curve per layer); "
+                         f"{OUT_PARENT}")
+    analyze.add_argument("--threshold", type=flag_type(fraction, "--threshold", float), default=0.95,
                          help="energy fraction every layer keeps in the suggested key dim (default: %(default)s)")
-    analyze.add_argument("--seed", type=int, default=0, help="seed of the calibration images' draw and of --checkpoint "
+    analyze.add_argument("--seed", type=flag_type(integer, "--seed"), default=0,
+                         help="seed of the calibration images' draw and of --checkpoint "
                          "none's weights (default: %(default)s)")
     add_calibration_flags(analyze, "spectrum of the logits on real tokens: whitened by their moments")
     analyze.set_defaults(run=_analyze)

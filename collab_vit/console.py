@@ -53,20 +53,21 @@ def run_command(body: Callable[[], Any], bad_input: Errors, failures: Errors, na
     try:
         body()
     except failures as error:
-        return _fail(FAILED, f"{named}error: {one_line(error)}")
+        return fail(FAILED, f"{named}error: {one_line(error)}")
     except bad_input as error:
-        return _fail(BAD_INPUT, f"{named}error: {one_line(error)}")
+        return fail(BAD_INPUT, f"{named}error: {one_line(error)}")
     except KeyboardInterrupt:
-        return _fail(INTERRUPTED, f"{lead}interrupted (SIGINT){after_signal}")
+        return fail(INTERRUPTED, f"{lead}interrupted (SIGINT){after_signal}")
     except Terminated:
-        return _fail(TERMINATED, f"{lead}terminated (SIGTERM){after_signal}")
+        return fail(TERMINATED, f"{lead}terminated (SIGTERM){after_signal}")
     finally:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
     return 0
 
 
-def _fail(code: int, line: str) -> int:
+def fail(code: int, line: str) -> int:
+    """Print ``line`` on stderr; return ``code`` (the exit status of its cause)."""
     print(line, file=sys.stderr, flush=True)
     return code
 

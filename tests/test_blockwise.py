@@ -17,6 +17,7 @@ from collab_vit.conversion.files.families import FAMILIES
 from collab_vit.conversion.weights.fit import fit_attention
 from collab_vit.conversion.reparam import timm_attention_layers
 from collab_vit.conversion.weights.rotary_fit import fit_rotary
+from resident import REPORT, WATCH
 
 SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, num_classes=10)
 
@@ -296,36 +297,19 @@ def test_the_cache_estimate_is_what_the_cache_holds() -> None:
 
 
 PROBE = """
-import sys, threading, time
+import sys
 import timm, torch
 from collab_vit.conversion.calibration import recipe
 from collab_vit.conversion.reparam import convert_model
 
 recipe.PASSES["default"] = 1  # the memory does not depend on the steps
-
-def resident():
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
-
 torch.manual_seed(0)
 model = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=4, depth=2, embed_dim=128, num_heads=4,
                           num_classes=10).eval()
 images = torch.randn(int(sys.argv[1]), 3, 32, 32)
-peak, done = [0], threading.Event()
-
-def watch():
-    while not done.is_set():
-        peak[0] = max(peak[0], resident())
-        time.sleep(0.002)
-
-watcher = threading.Thread(target=watch)
-watcher.start()
+""" + WATCH + """
 convert_model(model, 8, "tucker", images, "default", 0, False, recipe.Recipe(candidates=("weight+blocks",)))
-done.set()
-watcher.join()
-print(peak[0])
-"""
+""" + REPORT
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident memory from Linux's /proc")

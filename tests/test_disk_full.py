@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 
 import pytest
 import timm
@@ -70,9 +71,11 @@ def source_file(folder) -> str:
 
 
 def one_line_error(capsys, code: int, expected_code: int, path) -> str:
-    """The one line on stderr besides tqdm's progress bars (which end in carriage returns)."""
+    """The one line on stderr besides the progress (tqdm's bars, or the plain lines of ``console.Lines`` where
+    stderr is not a terminal)."""
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and '%|' not in line]
+    lines = [line for line in err.splitlines()
+             if line.strip() and '%|' not in line and not re.search(r': \d+/\d+, \d+ s, ETA ', line)]
     assert code == expected_code and len(lines) == 1 and 'Traceback' not in err, err
     assert str(os.path.abspath(path)) in lines[0], err
     return lines[0]

@@ -68,6 +68,7 @@ def test_checkpoint_and_export(umask, tmp_path):
 def test_convert_file_and_folder(umask, out, tmp_path):
     source = source_file(tmp_path)
     target = tmp_path / 'converted' / out
+    target.parent.mkdir()  # convert writes into a folder that exists (a missing one is refused)
     assert cli_main(['convert', '--checkpoint', source, '--key-dim', '6', '--out', str(target)]) == 0
     assert modes(tmp_path / 'converted', umask) == {}
 

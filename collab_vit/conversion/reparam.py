@@ -15,15 +15,15 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from timm.layers import Attention
-from tqdm import tqdm
 
+from .. import console
 from ..layers.attention import CollaborativeAttention
 from ..layers.construction import not_convertible, replace_submodule
 from .weights.whitening import TokenMoments, whitening
 from .weights.dims import REMOVED, KeyDimSpec, check_spec, layer_dims
 from .weights.fit import check_method, fit_attention, layer_from_decomposition, output_error
-from .calibration.capture import Calibration, calibration_images
-from .calibration.recipe import ROTARY, STANDARD, Builder, Recipe, calibrated, check_effort, split
+from .calibration.capture import Calibration, normalising, peek
+from .calibration.recipe import ROTARY, STANDARD, Builder, Recipe, calibrated, check_effort
 from .weights.rotary import is_rotary, layer_calls
 from .weights.rotary_fit import only_rotary
 from .weights.support import all_or_nothing, attention_forms
@@ -168,22 +168,19 @@ def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibratio
     builder = ROTARY if rotary else STANDARD
     if calibration is None or (rotary and key_dim is None):  # rotary at full rank: exact, nothing to calibrate
         return _weight_only(model, layers, dims, (method, seed, builder), _probe(model, probe, seed), progress)
-    images = calibration_images(calibration, probe_input_size(model), recipe.batch_size)
+    images = peek(calibration, probe_input_size(model), recipe.batch_size)  # counted; the first few read
     was_training = model.training
     model.eval()
-    try:
-        calls = None
-        if rotary:  # the held-out images' calls, for the output errors (rotary layers take the rope)
-            fit = split(images.shape[0], recipe.holdout)
-            calls = layer_calls(model, layers, images[fit:] if fit < images.shape[0] else images)
-        fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe, builder)
+    try:  # ``held``: each layer's call on the held-out images (the guard's seeded split), for the output errors
+        with normalising(model, calibration):  # uint8 pixels normalised where they enter the model
+            fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe,
+                                             builder)
     finally:
         model.train(was_training)
     where = f"{summary['images_held_out']} held-out calibration images" if summary["images_held_out"] \
         else "the fitting image (none held out)"
     reports = []
-    for i, ((name, attn), fitted, tokens) in enumerate(zip(layers, fits, held)):
-        call = calls[i] if calls is not None else None if tokens is None else (tokens, {})
+    for (name, attn), fitted, call in zip(layers, fits, held):
         error = output_error(fitted.layer, attn, call) if call is not None else float("nan")
         reports.append(LayerReport(name, fitted.key_dim, fitted.tensor_error, error, fitted.seconds, where))
     return ConversionReport(reports, summary)
@@ -205,9 +202,14 @@ def _weight_only(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: li
     calls = layer_calls(model, layers, probe)
     what = "rotary re-parametrisation (per frequency)" if builder is ROTARY else f"{method} re-parametrisation"
     reports = []
-    for (name, attn), rank, call in zip(tqdm(layers, desc=what, disable=not progress), dims, calls):
-        fitted = builder.weight_only(attn, rank, method, {"rope": call[1].get("rope")}, seed=seed)  # rotary
-        reports.append(LayerReport(name, rank, fitted.tensor_error, output_error(fitted.layer, attn, call),
-                                   fitted.seconds))
-        replace_submodule(model, name, fitted.layer)
+    bar = console.progress(len(layers), what, progress)  # a bar on a terminal, plain lines in a log
+    try:
+        for (name, attn), rank, call in zip(layers, dims, calls):
+            fitted = builder.weight_only(attn, rank, method, {"rope": call[1].get("rope")}, seed=seed)  # rotary
+            reports.append(LayerReport(name, rank, fitted.tensor_error, output_error(fitted.layer, attn, call),
+                                       fitted.seconds))
+            replace_submodule(model, name, fitted.layer)
+            bar.update()
+    finally:
+        bar.close()
     return ConversionReport(reports)

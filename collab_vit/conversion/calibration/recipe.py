@@ -34,7 +34,7 @@ from ...checks import is_integer, positive_int
 from ...layers.construction import replace_submodule
 from ..weights.whitening import DEFAULT_RIDGE, prefix_weight_for, whitening
 from ..weights.dims import REMOVED
-from .capture import model_outputs, prefix_tokens, source_tokens
+from .capture import Pending, model_outputs, prefix_tokens, source_tokens, tensor_bytes
 from ..weights.fit import LayerFit, fit_attention, tensor_error
 from ..weights import rotary_fit
 from .guard import Verdict, held_out_split, judge, per_image_scores
@@ -423,10 +423,12 @@ class Plan:
 
 
 def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, steps: int,
-         starts: int) -> Plan:
-    """The conversion's ``Plan`` for ``images`` and ``steps`` refinement steps per layer (``starts`` closed forms
-    measured): its disk and memory checked against the host's before any work (a refusal names how many calibration
-    images would fit) and its time projected from one timed forward pass (``COST``)."""
+         starts: int, count: Optional[int] = None) -> Plan:
+    """The conversion's ``Plan`` for ``count`` images (default: all of ``images``, of which the first few are read:
+    ``capture.peek``) and ``steps`` refinement steps per layer (``starts`` closed forms measured): its disk and
+    memory checked against the host's before any work (a refusal names how many calibration images would fit) and
+    its time projected from one timed forward pass (``COST``)."""
+    count = images.shape[0] if count is None else count
     files = footprint(model, [a for _, a in layers], images[:1], recipe.samples, steps)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     # the sensitivity pass's graph and twice as much again for its backward's gradients and the allocator's slack,
@@ -434,9 +436,9 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
     # the estimate was 0.8 GiB below the measured peak, RESULTS.md "DeiT-B conversion cost")
     fixed = resident_bytes() + weights + 3 * min(GRAPH_BYTES, saved_per_image(model, images[:2]) * recipe.batch_size)
 
-    def needs(m: int, refined: bool = steps > 0) -> tuple[int, int]:  # the images twice: the caller's and
-        fit = split(m, recipe.holdout)  # ``capture``'s copy in the split's order
-        return files.bytes(fit, m - fit, refined), 2 * m * images[0].numel() * 4 + fixed
+    def needs(m: int, refined: bool = steps > 0) -> tuple[int, int]:  # the images twice (uint8 pixels or floats, as
+        fit = split(m, recipe.holdout)  # read): the caller's and ``capture``'s copy in the split's order
+        return files.bytes(fit, m - fit, refined), 2 * m * tensor_bytes(images[0]) + fixed
 
     def fits(m: int, free: int, available: int, refined: bool = steps > 0) -> bool:
         try:
@@ -446,17 +448,17 @@ def plan(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, 
         return disk <= free and memory <= available
 
     def advice(free: int, available: int) -> str:  # each count named is checked as the run checks it
-        n = images.shape[0]
-        most = next((m for m in range(n - 1, 1, -1) if fits(m, free, available)), None)
-        fast = "--effort fast" if steps and fits(n, free, available, False) else ""
+        most = next((m for m in range(count - 1, 1, -1) if fits(m, free, available)), None)
+        fast = "--effort fast" if steps and fits(count, free, available, False) else ""
         if most is not None:
             return f"use at most {most} calibration images (--calibration-images {most})" + (f" or {fast}" * bool(fast))
         return (f"too little for two images: use {fast}" if fast else "too little for two calibration images: make "
                 "room, or convert weight-only (without --calibration-data-dir)")
 
-    disk, memory = needs(images.shape[0])
+
+    disk, memory = needs(count)
     check_space(disk, memory, advice=advice)
-    n, fit = images.shape[0], split(images.shape[0], recipe.holdout)
+    n, fit = count, split(count, recipe.holdout)
     passes = steps * recipe.batch_size / fit if steps else 0.0
     device = next(model.parameters()).device
     forward, parts = timed_forward(model, images[:8].to(device), bf16_of(recipe, model))
@@ -494,21 +496,23 @@ def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Can
     return (min(resolved, key=lambda c: c.held_kl) if resolved else reference), verdicts
 
 
-def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], method: str, images: Tensor,
+def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], method: str, images: Pending,
                effort: str, seed: int, progress: bool, recipe: Recipe, builder: Builder = STANDARD
-               ) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
+               ) -> tuple[list[LayerFit], list[Optional[tuple[Tensor, dict]]], dict]:
     """Fit, refine and measure the candidates at ``dims`` (one key dim per layer: ``dims.layer_dims``); swap the one
-    ``choose`` keeps into ``model``. Returns its fits, the held-out tokens of
-    every layer (for the report's output errors) and a summary (key dims, candidates, held-out KL, the guard's
-    verdicts, which won, by how much)."""
+    ``choose`` keeps into ``model``; the cost line (``plan``) is printed before ``images`` are read whole (from their
+    count and first few: ``capture.peek``). Returns its fits, every layer's call on the held-out images (its tokens
+    and keywords, a rotary layer's rope: the report's output errors, on the images the guard holds out) and a summary
+    (key dims, candidates, held-out KL, the guard's verdicts, which won, by how much)."""
     pinned = list(recipe.candidates) if recipe.candidates is not None else None
     kinds = {c.split("+")[1] for c in pinned if "+" in c} if pinned is not None else {EFFORTS[effort]} - {""}
-    fit = split(images.shape[0], recipe.holdout)
+    fit = split(images.count, recipe.holdout)
     steps = {kind: refine_steps(recipe, effort if effort in PASSES else "default", fit) for kind in kinds}
-    planned = plan(model, layers, images, recipe, steps.get("blocks", 0), len(builder.starts))  # refused if too big
+    planned = plan(model, layers, images.first, recipe, steps.get("blocks", 0), len(builder.starts),
+                   images.count)  # refused if too big
     if progress:
         print(planned.line(), flush=True)
-    run = RecipeRun(model, layers, images, recipe, method, seed, builder, progress)
+    run = RecipeRun(model, layers, images.read(), recipe, method, seed, builder, progress)
     try:
         return run_candidates(run, dims, effort, steps, pinned)
     except BaseException:  # the scratch files go; the committed layers stay for the same command run again
@@ -517,7 +521,7 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list
 
 
 def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str, int],
-                   pinned: Optional[list[str]]) -> tuple[list[LayerFit], list[Optional[Tensor]], dict]:
+                   pinned: Optional[list[str]]) -> tuple[list[LayerFit], list[Optional[tuple[Tensor, dict]]], dict]:
     """``calibrated``'s candidates fitted, refined, measured and chosen on ``run``."""
     builder, layers, method, recipe, seed = run.builder, run.layers, run.method, run.recipe, run.seed
     starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
@@ -534,7 +538,8 @@ def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str
     best, verdicts = choose([found[c] for c in pinned] if pinned is not None else list(found.values()),
                             recipe.confidence, seed)
     run.finish(best)
-    return best.fits, run.source.held_tokens, summarize(run, found, best, verdicts, effort,
+    held = [None if t is None else (t, keywords) for t, keywords in zip(run.source.held_tokens, run.keywords)]
+    return best.fits, held, summarize(run, found, best, verdicts, effort,
                                                               steps[refined[0].split("+")[1]] if refined else 0)
 
 

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlparse
@@ -199,8 +200,29 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_parent(out: Path, flag: str = "--out") -> None:
+    """A one-line ``ValueError`` unless ``out``'s folder exists and this process can create a file in it (a probe
+    file, created and removed: mode bits, ACLs, a read-only mount or a root-squashed share all answer it). A missing
+    folder is refused, never created, so a mistyped path does not go unnoticed; checked before any work."""
+    out = out.absolute()
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise ValueError(f"{flag} {out}: its folder {parent} {what} (create it first: the command does not create "
+                         f"folders, so a mistyped path is not silently followed)")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=parent)
+    except OSError as error:
+        raise ValueError(f"{flag} {out}: cannot write into {parent} ({error.strerror or one_line(error)}): choose a "
+                         f"folder you can write to") from None
+    os.close(handle)
+    os.unlink(probe)
+
+
 def output_kind(out: Path) -> str:
-    """``"file"`` for ``X.safetensors``, ``"folder"`` for a folder path (timm's hub layout); else a one-line error."""
+    """``"file"`` for ``X.safetensors``, ``"folder"`` for a folder path (timm's hub layout); else a one-line error.
+    Its folder is checked first (:func:`check_parent`)."""
+    check_parent(out)
     if out.suffix == ".safetensors":
         if out.is_dir():
             raise ValueError(f"--out {out} is a folder; a .safetensors output must be a file")
@@ -336,7 +358,8 @@ def analyze_to_files(model_name: Optional[str], checkpoint: Optional[str], out: 
     metadata)`` images, of the whitened forms (the table's last line says which). ``out``, a folder written all or
     none, gets ``spectrum.md`` (the table and the suggestions) and ``spectrum.png`` (the plot); ``seed``: of a
     ``checkpoint="none"`` source's weights."""
-    check_output_folder(str(out), ANALYZE_OUTPUT)  # before any work: other files are never mixed in
+    check_parent(out)  # before any work: a folder that exists and takes files
+    check_output_folder(str(out), ANALYZE_OUTPUT)  # other files are never mixed in
     if model_name:
         check_source(model_name, model_kwargs)
     model, model_name, _, meta = load_source(model_name, checkpoint, model_kwargs, seed)
