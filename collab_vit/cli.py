@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--effort", default="default", metavar="{" + ",".join(EFFORTS) + "}",
                       help=f"fast: closed forms only; default: the better one refined layer by layer "
                       f"({PASSES['default']} passes over {DEFAULT_IMAGES} images: sized for DeiT-B on a CPU); full: "
-                      f"{PASSES['full']} passes over {IMAGES['full']} images (about 6x the default's compute: the "
+                      f"{PASSES['full']} passes over {IMAGES['full']} images (about 4 times the default's compute: the "
                       "default before, for a GPU or the time)")
     convert.set_defaults(run=_convert)
 

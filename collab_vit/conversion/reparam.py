@@ -124,9 +124,10 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: 
             as they are, by the objective (``objective.py``: the KL of a classifier's outputs to the source's; of
             a model without a head, ``1 - cosine`` of its features to the source's); the best whose win the held-out
             images resolve is kept, else weight-only. The refinement gains with the images (2048: RESULTS.md (b),
-            issue 40).
-        effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: every layer alone, 16
-            passes over the fitting images, its output error weighted by its effect on the model's output).
+            "The constants").
+        effort: ``"fast"`` (closed forms only), ``"default"`` (the better one refined: every layer alone, in
+            ``recipe.PASSES["default"]`` passes over the fitting images, its output error weighted by its effect on
+            the model's output) or ``"full"`` (``recipe.PASSES["full"]`` passes: the recipe for a GPU).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
         device: move the model there first (the forward passes and the refinement run there, the token capture in
             bfloat16 on CUDA; the decompositions on the CPU).

@@ -6,15 +6,14 @@ held-out image, the score of the conversion's objective (``objective.py``: ``KL(
 softmax(converted logits))`` for a classifier; for a model whose output is features, ``1 - cosine`` of the converted
 features to the source's, ``objective.FEATURE_OBJECTIVE``). Candidates (RESULTS.md (b): each wins somewhere): the
 weight-only fit; the whitened closed form with the class token weighted by the ``"balanced"`` rule (docs/math.md, "Query
-weights"); on rotary layers also each head keeping its strongest pairs (``rotary_fit.selection_fit``, issue 40); and, by
-``effort``, the better of them refined layer by
-layer (``blockwise.py``: each layer's output error in the Fisher form of the objective, from the source's tokens and
-sensitivities read in one pass; issue 40 measured it against a whole-model refinement, removed in issue 54:
-RESULTS.md (b)). The weight-only fit is always measured and kept unless another candidate
-is better beyond what the held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image
-gain); of the resolved candidates the best is kept, so the result is never worse than weight-only on the held-out
-images. The held-out split and the guard's constants were chosen by leave-one-source-out on six trained sources
-(RESULTS.md (b)).
+weights"); on rotary layers also each head keeping its strongest pairs (``rotary_fit.selection_fit``); and, by
+``effort``, the better of them refined layer by layer (``blockwise.py``: each layer's output error in the Fisher form
+of the objective, on the tokens of the converted layers before it, with the source's sensitivities read in one pass;
+it replaced a whole-model refinement that was measured against it and removed: RESULTS_HISTORY.md, "Blockwise
+refinement"). The weight-only fit is always measured and kept unless another candidate is better beyond what the
+held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image gain); of the resolved candidates
+the best is kept, so the result is never worse than weight-only on the held-out images. The held-out split and the
+guard's constants were chosen by leave-one-source-out on ten trained sources (RESULTS.md (b), "The constants").
 """
 from __future__ import annotations
 
@@ -44,17 +43,18 @@ from .blockwise import (GRAPH_BYTES, bf16_parts, check_space, converted_calls, f
                         resident_bytes, saved_per_image)
 
 # effort: the refinement of the better start ("" none; "blocks": blockwise.py, each layer on its own in the Fisher form
-# of the output KL). RESULTS.md (b), issue 40: the blockwise default is as good or better than the whole-model
-# refinement on two sources at about a twentieth of its compute; that one ("thorough") won one cell and was removed
-# (issue 54), as was refining both starts.
-# "full": the default before issue 56 (2048 images, 16 passes: about 4 times the default's compute, a GPU job on
-# DeiT-B); the default is the recipe at DeiT-B's fixed compute on a CPU (RESULTS.md (b), "At a fixed compute").
+# of the objective). The blockwise refinement was as good or better than the whole-model refinement on two sources
+# at about a twentieth of its compute; that one ("thorough") won one cell and was removed, as was refining both
+# starts (RESULTS_HISTORY.md, "Blockwise refinement").
+# "full": the default before the fixed-compute choice (2048 images, 16 passes: about 4 times the default's compute, a
+# GPU job on DeiT-B); the default is the recipe at DeiT-B's fixed compute on a CPU (RESULTS.md (b), "At a fixed
+# compute").
 EFFORTS: dict[str, str] = {"fast": "", "default": "blocks", "full": "blocks"}
 # each effort's blockwise passes over the fitting images (steps per layer = passes x images / batch)
 PASSES: dict[str, int] = {"default": 8, "full": 16}
 DEFAULT_IMAGES = 768  # calibration images the command draws by default (fast and default; ``IMAGES``)
 IMAGES: dict[str, int] = {"fast": DEFAULT_IMAGES, "default": DEFAULT_IMAGES, "full": 2048}
-MAX_HOLDOUT = 256  # the guard's held-out images at most (64 before issue 40's leave-one-source-out choice)
+MAX_HOLDOUT = 256  # the guard's held-out images at most (RESULTS.md (b), "The constants"; 64 before)
 STARTS = ("weight", "whitened")
 
 
@@ -69,7 +69,7 @@ def check_effort(effort: object) -> str:
 # the recipe's measured constants (RESULTS.md (b)); ``Recipe`` gathers them so that an experiment or a test can vary
 # one: no public entry (``reparametrize``, ``collab-vit convert``) takes a Recipe
 PREFIX_WEIGHT = "balanced"  # the whitened start's class-token weight: the "balanced" rule (docs/math.md)
-REFINE_LR = 1e-3  # the blockwise refinement's Adam lr (issue 40's leave-one-source-out choice; at the default's 768
+REFINE_LR = 1e-3  # the blockwise refinement's Adam lr (RESULTS.md (b), "The constants"; at the default's 768
 # images 2e-3 and 4e-3 gained less on the sources left out: RESULTS.md (b), "At a fixed compute")
 BATCH_SIZE = 64
 SAMPLES = 4  # classes drawn per image for the blockwise refinement's Fisher form (blockwise.py); 2 and 8 at the
@@ -122,7 +122,7 @@ class Recipe:
 
 def split(n: int, holdout: Optional[int]) -> int:
     """Fitting images out of ``n`` (the rest is held out): a quarter held out by default, 1 to 256 (RESULTS.md (b),
-    issue 40: chosen leave-one-source-out at 2048 images)."""
+    "The constants": chosen leave-one-source-out at 2048 images)."""
     if holdout is None:
         holdout = min(max(1, n // 4), MAX_HOLDOUT) if n >= 2 else 0
     if not is_integer(holdout) or not 0 <= holdout < n:
