@@ -63,6 +63,7 @@ MATMUL = re.compile(r"/backbone/encoder/layer\.(\d+)/(attention/attention/(query
 TIMM_LINEAR = {"attention/output/dense": "attn.proj", "mlp/fc1": "mlp.fc1", "mlp/fc2": "mlp.fc2"}
 KEY_DIMS = (192, 96, 48, 24)  # D/2 .. D/16
 BANK, TEST, NEIGHBOURS, RESAMPLES = 1000, 1000, 20, 2000
+CALIBRATION = 2048  # Fashion-MNIST training images outside the bank, drawn for the calibration folder
 
 
 # ----------------------------------------------------------------------------------------------------- fetch
@@ -332,10 +333,9 @@ def convert_command(checkpoint_path: Path, key_dim: int, out: Path, effort: str,
     return command
 
 
-def convert(command: list[str], objective: str, work: Path) -> dict[str, Any]:
+def convert(command: list[str], objective: str, rss: Path) -> dict[str, Any]:
     """Run ``command`` (a ``collab-vit convert``) in a child process with the feature objective patched (unless
-    ``default``): its wall seconds, peak resident bytes and the command's JSON report."""
-    rss = work / "rss.txt"
+    ``default``): its wall seconds, peak resident bytes (written to ``rss``) and the command's JSON report."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", WRAPPER, objective, str(rss), *command[1:]], check=True, env=env)
@@ -346,19 +346,24 @@ def convert(command: list[str], objective: str, work: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------- run
-def dataset_tensors(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray], Any]:
-    """Bank and test images with their labels (cached in ``--work``), and the draws (calibration indices)."""
-    train, test = fashion(args.data, True), fashion(args.data, False)
-    index = draws(args.seed, len(train), len(test), 2048)
+def save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temporary file and a rename (runs in parallel read the caches)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def dataset_tensors(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Bank and test images and their labels (cached in ``--work``)."""
     cached = args.work / f"images-s{args.seed}.pt"
     if not cached.exists():
+        train, test = fashion(args.data, True), fashion(args.data, False)
+        index = draws(args.seed, len(train), len(test), CALIBRATION)
         bank, bank_labels = tensors(train, index["bank"])
         test_images, test_labels = tensors(test, index["test"])
-        torch.save({"bank": bank, "test": test_images, "bank_labels": bank_labels, "test_labels": test_labels},
-                   cached)
+        save({"bank": bank, "test": test_images, "bank_labels": bank_labels, "test_labels": test_labels}, cached)
     saved = torch.load(cached, weights_only=False)
-    return ({"bank": saved["bank"], "test": saved["test"]},
-            {"bank": saved["bank_labels"], "test": saved["test_labels"]}, (train, index))
+    return ({"bank": saved["bank"], "test": saved["test"]}, {"bank": saved["bank_labels"], "test": saved["test_labels"]})
 
 
 def model_features(model: torch.nn.Module, images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -372,7 +377,7 @@ def source_features(args: argparse.Namespace, images: dict[str, torch.Tensor]) -
     cached = args.work / f"source-features-s{args.seed}.pt"
     if not cached.exists():
         model = load_source(None, str(args.checkpoint))[0]
-        torch.save(model_features(model, images), cached)
+        save(model_features(model, images), cached)
     return torch.load(cached)
 
 
@@ -385,27 +390,29 @@ def row_name(effort: str, key_dim: Optional[int], calibration: str, objective: s
 
 
 def run(args: argparse.Namespace) -> None:
-    """The rows of ``--effort`` at each ``--key-dims`` (and the source row with ``--effort weight``)."""
+    """The rows of ``--effort`` at each ``--key-dims`` (and the source row): each conversion first (its child
+    process alone), then the evaluation of its file."""
     from collab_vit.conversion.files.commands import load_source
 
-    torch.manual_seed(args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    images, labels, (train, index) = dataset_tensors(args)
-    source = source_features(args, images)
-    head = probe(source["bank"], labels["bank"], args.seed)
-    base = {"commit": git_commit(), "machine": machine() + " (shared with other jobs: seconds are indicative)",
-            "command": " ".join(shlex.quote(a) for a in sys.argv), "seed": args.seed, "checkpoint": str(args.checkpoint)}
-    source_row = {**base, "row": "source", **metrics(head, source, source, labels)}
-    write_json(RESULTS / "source.json", {**source_row, "summary": summary(source_row, source_row)})
+    train = fashion(args.data, True)
+    index = draws(args.seed, len(train), 10000, CALIBRATION)
     folder = None
     if args.effort != "weight":
         folder = calibration_folder(args.calibration, args.work, train, index["calibration"])
+    base = {"commit": git_commit(), "machine": machine() + " (shared with other jobs: seconds are indicative)",
+            "command": " ".join(shlex.quote(a) for a in sys.argv), "seed": args.seed, "checkpoint": str(args.checkpoint)}
     for key_dim in args.key_dims:
         name = row_name(args.effort, key_dim, args.calibration, args.objective)
         out = args.work / f"{name}.safetensors"
         command = convert_command(args.checkpoint, key_dim, out, args.effort, folder)
-        conversion = convert(command, args.objective, args.work)
+        conversion = convert(command, args.objective, args.work / f"{name}.rss")
+        images, labels = dataset_tensors(args)
+        source = source_features(args, images)
+        head = probe(source["bank"], labels["bank"], args.seed)
+        source_row = {**base, "row": "source", **metrics(head, source, source, labels)}
+        write_json(RESULTS / "source.json", {**source_row, "summary": summary(source_row, source_row)})
         model = load_source(None, str(out))[0]
         row = {**base, "row": name, "key_dim": key_dim, "effort": args.effort, "objective": args.objective,
                "calibration": None if folder is None else args.calibration, "convert_command": " ".join(command),
@@ -423,13 +430,15 @@ def cell(values: list[float], digits: int) -> str:
 
 
 def stages(report: dict[str, Any]) -> str:
-    """What the recipe kept and the held-out scores of its candidates (the command's report)."""
+    """What the recipe kept, every candidate's held-out score (the command's report) and the refinement's
+    seconds where it was kept."""
     calib = report.get("calibration") or {}
     if not calib:
         return ""
-    scores = calib.get("candidates") or {}
-    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in scores.items())
-    return f"kept {calib.get('chosen', calib.get('kept', '?'))}; {shown}"
+    scores = ", ".join(f"{k} {v:.4g}" for k, v in (calib.get("candidates") or {}).items())
+    refine = calib.get("refine") or {}
+    spent = f"; refine {refine['seconds']:.0f} s" if "seconds" in refine else ""
+    return f"kept {calib.get('chosen')}; held-out {scores}; capture {calib.get('capture_seconds', 0):.0f} s{spent}"
 
 
 def write_table() -> None:

@@ -97,7 +97,8 @@ def test_conversion_child_reports_time_memory_and_the_recipe(tmp_path):
     checkpoint = tmp_path / 'tiny.safetensors'
     export_safetensors(source.state_dict(), str(checkpoint), real_models.MODEL, kwargs)
     out = tmp_path / 'tiny-k8.safetensors'
-    result = real_models.convert(real_models.convert_command(checkpoint, 8, out, 'weight', None), 'default', tmp_path)
+    result = real_models.convert(real_models.convert_command(checkpoint, 8, out, 'weight', None), 'default',
+                                tmp_path / 'rss')
     assert result['seconds'] > 0 and result['peak_rss_bytes'] > 50e6
     assert [layer['key_dim'] for layer in result['report']['layers']] == [8]
     converted = load_source(None, str(out))[0]
