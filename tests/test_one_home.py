@@ -68,7 +68,7 @@ def test_written_once(pattern, home):
     (r'\.norm\(\) / \w+\.norm\(\)', 'conversion/weights/fit.py'),  # a layer's relative output error: fit.output_error
     # a layer's tensor error: fit.tensor_error
     (r'\.query\.weight\.T, \w+\.key\.weight\.T', 'conversion/weights/fit.py'),
-    (r'kl_div\(', 'conversion/calibration/guard.py'),  # the per-image KL to the source's outputs: guard.per_image_kl
+    (r'kl_div\(', 'conversion/calibration/objective.py'),  # the per-image KL to the source's outputs: objective.scores
     (r'\w*dims?\w* % 2\b', 'conversion/weights/dims.py'),  # even key dims of rotary layers: dims.layer_dims
     (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/weights/dims.py'),  # one key dim for every layer
     # key-dim specs

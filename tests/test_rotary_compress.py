@@ -167,8 +167,8 @@ def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) ->
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
     passes = []
-    scored = recipe_module.per_image_kl
-    monkeypatch.setattr(recipe_module, "per_image_kl", lambda *a: passes.append(1) or scored(*a))
+    scored = recipe_module.per_image_scores
+    monkeypatch.setattr(recipe_module, "per_image_scores", lambda *a: passes.append(1) or scored(*a))
     converted = copy.deepcopy(model)
     key_dim = 48  # of 64: at least LIGHT, below full rank
     report = collab_vit.conversion.reparam.convert_model(converted, key_dim, "tucker", images, "fast", 0, False,

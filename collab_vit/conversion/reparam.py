@@ -121,8 +121,10 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: 
             model's input format. Then the recipe of RESULTS.md (b) runs: a quarter of them (1-256) held out; the
             weight-only fit, the whitened closed form (rotary layers: also the strongest-pairs selection) and, by
             ``effort``, the better one refined layer by layer (``blockwise.py``) are measured on the held-out images
-            as they are, by the KL of the outputs to the source's; the best whose win the held-out images resolve
-            is kept, else weight-only. The refinement gains with the images (2048: RESULTS.md (b), issue 40).
+            as they are, by the objective (``objective.py``: the KL of a classifier's outputs to the source's; of
+            a model without a head, ``1 - cosine`` of its features to the source's); the best whose win the held-out
+            images resolve is kept, else weight-only. The refinement gains with the images (2048: RESULTS.md (b),
+            issue 40).
         effort: ``"fast"`` (closed forms only) or ``"default"`` (the better one refined: every layer alone, 16
             passes over the fitting images, its output error weighted by its effect on the model's output).
         seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
@@ -130,7 +132,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: 
             bfloat16 on CUDA; the decompositions on the CPU).
         progress: progress bars.
         return_report: return ``(model, report)``: a ``ConversionReport``, one ``LayerReport`` per layer, and its
-            ``summary`` (candidates, which won, held-out KL).
+            ``summary`` (candidates, which won, the held-out score and its ``objective``; of a model without a
+            head also the held-out cosine to the source's features).
 
     Rotary attention (DINOv3, EVA-02, PE, RoPE-ViT) converts exactly at full rank (``key_dim=None``; calibration has
     nothing to fit there) and below it per frequency (``rotary_fit.py``: even key dims; the recipe's candidates with

@@ -6,8 +6,10 @@ The modules, top to bottom (each imports only modules listed below it):
 
 * ``recipe``: the calibrated conversion: candidates measured on held-out images, its plan of memory, disk and time;
   the one weight-only fit of a layer (``Builder``: standard and rotary layers).
-* ``blockwise``: each layer refined on its own, on the converted model's tokens (Fisher form of the output KL).
+* ``blockwise``: each layer refined on its own, on the converted model's tokens (Fisher form of the objective).
 * ``capture``: the calibration images checked, the tokens each layer sees.
-* ``guard``: the per-image KL; which candidate the held-out images resolve (a seeded bootstrap interval).
+* ``guard``: the per-image scores; which candidate the held-out images resolve (a seeded bootstrap interval).
+* ``objective``: what the conversion preserves of the source's outputs (the KL of a classifier's, the features of a
+  model without a head): the per-image scores and the refinement's sensitivities.
 * ``state``: the refinement's per-image tensors in memory-mapped files, each refined layer committed: resumable.
 """

@@ -1,14 +1,16 @@
 """Blockwise refinement: each converted layer trained on its own output, first to last, on the converted model's tokens.
 
 One pass of the source over the fitting images records what every attention layer receives (its tokens and its
-other arguments, e.g. the rope of a rotary model) and, for ``samples`` classes drawn per image from the source's own
-prediction, the sensitivity of the drawn class's log-probability to that layer's output (``layer_inputs``). Each
-converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, first layer first, Adam on seeded minibatches, on
-``sum_images mean_classes (g . (y~ - y))^2``: the Fisher form of the output KL that the layer's output error causes,
-to second order (``y``: the source layer's output; the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was
-removed, and the enclosing block's output, the same to first order at 1.9 times a step's cost, gained less at the same
-compute: RESULTS.md (b)). Both layers read the tokens the model gives that layer with the layers before it converted
-and refined (``converted_calls``: carried block to block), so a layer learns on the inputs it will get;
+other arguments, e.g. the rope of a rotary model) and, for ``samples`` draws per image, the sensitivity of the
+conversion's objective to that layer's output (``layer_inputs``; ``objective.py``: for a classifier, of the
+log-probability of a class drawn from the source's own prediction; for a feature model, of the features along a
+Gaussian direction). Each converted layer's ``W~q, W~k, M`` (eq. 5) are then trained alone, first layer first, Adam
+on seeded minibatches, on ``sum_images mean_draws (g . (y~ - y))^2``: the Fisher form of the objective (the output KL
+of a classifier) that the layer's output error causes, twice it to second order (``y``: the source layer's output;
+the plain ``||y~ - y||^2 / ||y||^2`` measured far worse and was removed, and the enclosing block's output, the same
+to first order at 1.9 times a step's cost, gained less at the same compute: RESULTS.md (b)). Both layers read the tokens
+the model gives that layer with the layers before it converted and refined (``converted_calls``: carried block to
+block), so a layer learns on the inputs it will get;
 on the source's tokens it recovered less of the drop (RESULTS.md (b)). A step costs one attention layer's forward and
 backward on the minibatch, not the whole model's (a whole-model refinement); the sensitivities and the first layer's
 tokens are held in memory-mapped files of the conversion's state folder (``state.py``: ``(samples x layers + 1) x
@@ -36,6 +38,7 @@ from ...checks import nonnegative_int, positive_int, positive_real
 from ...layers.construction import parent_module
 from . import state
 from .capture import _kept
+from .objective import directions, objective_for
 
 PARAMS = ("query.weight", "key.weight", "mixing")  # what the refinement trains of a layer (eq. 5), and commits
 WORKING = 4  # token tensors of all the images beside the cache while a layer is refined: the inputs of the block before
@@ -149,9 +152,10 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
     """What each of ``layers`` (modules of ``model``) receives on ``images``: the tokens of every image (float32 at
     least; of the first ``kept`` layers only, None for the others: the refinement reads those from the converted
     model, ``converted_calls``) and the first call's other arguments (the same for every batch of images of one
-    size), and each layer's output sensitivities ``g_s = d log p(c_s | x) / d y`` for ``samples`` classes ``c_s``
-    drawn from the model's own prediction (seeded): ``E_c[(g_c . dy)^2]`` is the Fisher quadratic form of the output
-    KL that a change ``dy`` of that layer's output causes, to second order (``relative_loss``). Held in the active
+    size), and each layer's output sensitivities ``g_s`` for ``samples`` draws (seeded; ``objective.directions`` of
+    ``objective_for(model)``: for a classifier ``g_s = d log p(c_s | x) / d y``, ``c_s`` drawn from the model's own
+    prediction): ``E_s[(g_s . dy)^2]`` is the Fisher quadratic form of the objective (the output KL of a classifier)
+    that a change ``dy`` of that layer's output causes, to second order (``relative_loss``). Held in the active
     store's files (``state.allocate``); a store that finished them for its key gives them back without a pass.
     ``show``: a progress bar over the images."""
     samples = positive_int(samples, "samples")
@@ -170,6 +174,7 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
     outputs: list[Tensor] = []
     at = [0]
     generator = torch.Generator().manual_seed(seed)
+    objective = objective_for(model)  # what the sensitivities weigh (``objective.py``)
     last = max((i for i, t in enumerate(tokens) if t is not None), default=None)
     separate = _BF16.get() and last is not None  # under ``bf16_parts`` the tokens come from a pass of their own
     mode = ["both"]  # this pass records the tokens and stops after the last ("tokens"), or does not ("sensitivities")
@@ -200,7 +205,7 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], images: Tensor, batc
             outputs.clear()
             with torch.enable_grad(), _autocast(device):
                 logits = model(chunk.to(device))
-            for sample, drawn in enumerate(sensitivities(logits, outputs, samples, generator)):
+            for sample, drawn in enumerate(sensitivities(logits, outputs, samples, generator, objective)):
                 for target, g in zip(grads, drawn):
                     target[at[0]:at[0] + chunk.shape[0], sample] = g
             at[0] += chunk.shape[0]
@@ -265,16 +270,15 @@ def check_space(disk: float, memory: float, advice: Callable[[int, int], str]) -
                           f"{available / 2**30:.1f} GiB is available: {advice(free, available)}")
 
 
-def sensitivities(logits: Tensor, outputs: list[Tensor], samples: int, generator: torch.Generator
+def sensitivities(outputs: Tensor, layers: list[Tensor], samples: int, generator: torch.Generator, objective: str
                   ) -> Iterator[list[Tensor]]:
-    """``d log p(c_s | x) / d y`` for every output ``y`` in ``outputs`` (B, N, D each) and ``samples`` classes drawn
-    per image from ``softmax(logits)``: for each class drawn in turn, one (B, N, D) tensor per output, on the CPU,
-    float32 at least (one class's at a time in memory)."""
-    log_p = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    drawn = torch.multinomial(log_p.detach().exp().cpu(), samples, replacement=True, generator=generator)
-    for s in range(samples):
-        picked = log_p.gather(1, drawn[:, s:s + 1].to(log_p.device)).sum()  # images are independent: one backward
-        yield [_kept(g.detach()) for g in torch.autograd.grad(picked, outputs, retain_graph=s + 1 < samples)]
+    """The sensitivities ``g_s`` of every layer output ``y`` in ``layers`` (B, N, D each) for ``samples`` draws per
+    image (``objective.directions``: classes drawn from ``softmax(outputs)`` for ``"kl"``, ``g = d log p(c) / dy``;
+    Gaussian directions in feature space for a feature objective): for each draw in turn, one (B, N, D) tensor per
+    layer output, on the CPU, float32 at least (one draw's at a time in memory)."""
+    drawn = directions(outputs, samples, generator, objective)
+    for s, picked in enumerate(drawn):  # images are independent: one backward per draw
+        yield [_kept(g.detach()) for g in torch.autograd.grad(picked, layers, retain_graph=s + 1 < samples)]
 
 
 def relative_loss(layer: nn.Module, call: Call, target: Tensor, index: Tensor, device: torch.device) -> Tensor:

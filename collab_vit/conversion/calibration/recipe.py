@@ -2,11 +2,13 @@
 
 With calibration images the conversion holds part of them out (a quarter, 1 to 256, drawn by the seed), fits the
 others, and measures every candidate on the held-out images as they are (as the model evaluates them): per
-held-out image, ``KL(softmax(source outputs) || softmax(converted outputs))`` (logits, or features for a model without
-a head). Candidates (RESULTS.md (b): each wins somewhere): the weight-only fit; the whitened closed form with the class
-token weighted by the ``"balanced"`` rule (docs/math.md, "Query weights"); on rotary layers also each head keeping its
-strongest pairs (``rotary_fit.selection_fit``, issue 40); and, by ``effort``, the better of them refined layer by
-layer (``blockwise.py``: each layer's output error in the Fisher form of the output KL, from the source's tokens and
+held-out image, the score of the conversion's objective (``objective.py``: ``KL(softmax(source logits) ||
+softmax(converted logits))`` for a classifier; for a model whose output is features, ``1 - cosine`` of the converted
+features to the source's, ``objective.FEATURE_OBJECTIVE``). Candidates (RESULTS.md (b): each wins somewhere): the
+weight-only fit; the whitened closed form with the class token weighted by the ``"balanced"`` rule (docs/math.md, "Query
+weights"); on rotary layers also each head keeping its strongest pairs (``rotary_fit.selection_fit``, issue 40); and, by
+``effort``, the better of them refined layer by
+layer (``blockwise.py``: each layer's output error in the Fisher form of the objective, from the source's tokens and
 sensitivities read in one pass; issue 40 measured it against a whole-model refinement, removed in issue 54:
 RESULTS.md (b)). The weight-only fit is always measured and kept unless another candidate
 is better beyond what the held-out images resolve (``guard.py``: a seeded bootstrap interval of the per-image
@@ -24,7 +26,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import Attention
 from torch import Tensor
 
@@ -36,7 +37,8 @@ from ..weights.dims import REMOVED
 from .capture import model_outputs, prefix_tokens, source_tokens
 from ..weights.fit import LayerFit, fit_attention, tensor_error
 from ..weights import rotary_fit
-from .guard import Verdict, held_out_split, judge, per_image_kl
+from .guard import Verdict, held_out_split, judge, per_image_scores
+from .objective import has_features, objective_for
 from . import state
 from .blockwise import (GRAPH_BYTES, bf16_parts, cache_bytes, check_space, converted_calls, layer_inputs, refine_blocks,
                         resident_bytes, saved_per_image)
@@ -206,9 +208,10 @@ def same_layers(a: list[LayerFit], b: list[LayerFit]) -> bool:
 class Candidate:
     name: str
     fits: list[LayerFit]
-    held_kl: float = math.nan
+    held_kl: float = math.nan  # the mean held-out score of the conversion's objective (``objective.py``)
     refine: Optional[dict] = None
-    held: Optional[Tensor] = None  # the per-image held-out KL
+    held: Optional[Tensor] = None  # the per-image held-out score
+    cosine: Optional[float] = None  # of a feature model: the mean held-out cosine to the source's features
 
 
 @dataclass
@@ -219,7 +222,7 @@ class SourceData:
     inputs: Tensor  # the refinement's inputs: the fitting images
     held_out: int  # held-out images (0: one image, measured on the image it was fitted on)
     held_inputs: Tensor  # the held-out images, as they are
-    held_target: Tensor  # the source's log-probabilities on ``held_inputs``
+    held_target: Tensor  # the source's outputs on ``held_inputs`` (float32 at least: ``objective.scores``' targets)
     moments: list  # the fitting images' token moments, per layer
     held_tokens: list  # the held-out images' tokens, per layer
     peak: int  # bytes of the held-out tokens
@@ -229,7 +232,7 @@ class SourceData:
 def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe, seed: int,
             show: bool = False) -> SourceData:
     """Split ``images`` (held out: by the seed), capture the layers' tokens and the source's outputs (in bfloat16
-    autocast where ``amp_of`` says so; the KL targets at full precision)."""
+    autocast where ``amp_of`` says so; the objective's targets at full precision)."""
     n = images.shape[0]
     fit = split(n, recipe.holdout)
     images = images[held_out_split(n, seed)]
@@ -238,10 +241,10 @@ def capture(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tenso
     amp = amp_of(recipe, device)
     with torch.autocast(device.type, torch.bfloat16, enabled=amp):
         moments, held, peak, outputs = source_tokens(model, layers, images, fit, recipe.batch_size, show)
-    if amp:  # the tokens were captured in bfloat16; the KL targets are taken at full precision
+    if amp:  # the tokens were captured in bfloat16; the objective's targets are taken at full precision
         outputs = model_outputs(model, images, recipe.batch_size)
     held_images, held_outputs = (images[fit:], outputs[fit:]) if fit < n else (images, outputs)
-    return SourceData(fit, images[:fit], n - fit, held_images, F.log_softmax(held_outputs.float(), dim=-1),
+    return SourceData(fit, images[:fit], n - fit, held_images, held_outputs.float(),
                       moments, held, peak, time.perf_counter() - start)
 
 
@@ -269,7 +272,9 @@ class RecipeRun:
         self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
         self.builder, self.originals = builder, [attn for _, attn in layers]
         self.bf16 = bf16_of(recipe, model)
-        self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16}, method, seed,
+        self.objective = objective_for(model)  # what the candidates are scored and refined on (``objective.py``)
+        self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16,
+                                                                   "objective": self.objective}, method, seed,
                                                    type(builder.fit).__name__ if builder.fit else "standard"))
         try:
             with self.store.use():
@@ -294,14 +299,20 @@ class RecipeRun:
             replace_submodule(self.model, name, fitted.layer.eval())
 
     def measure(self, candidate: Candidate) -> Candidate:
-        """``candidate`` installed and scored on the held-out images as they are: the KL of each image, and the mean
-        over the images. A candidate whose layers are those of one measured before (rotary layers at light
-        compression: the weight-only fit is the selection, ``rotary_fit.weight_only``) takes its scores, not
-        another pass."""
+        """``candidate`` installed and scored on the held-out images as they are: the objective's score of each image
+        (``self.objective``), and the mean over the images (of a feature model also the mean cosine). A candidate whose
+        layers are those of one measured before (rotary layers at light compression: the weight-only fit is the
+        selection, ``rotary_fit.weight_only``) takes its scores, not another pass."""
         self.install(candidate.fits)
         twin = next((c for c in self.measured if same_layers(c.fits, candidate.fits)), None)
-        candidate.held = twin.held if twin is not None else per_image_kl(
-            self.model, self.source.held_inputs, self.source.held_target, self.recipe.batch_size)
+        if twin is not None:
+            candidate.held, candidate.cosine = twin.held, twin.cosine
+        else:
+            report = ("cosine",) if has_features(self.model) else ()
+            held = per_image_scores(self.model, self.source.held_inputs, self.source.held_target,
+                                    self.recipe.batch_size, (self.objective, *report))
+            candidate.held = held[0]
+            candidate.cosine = float(1 - held[1].mean()) if report else None
         candidate.held_kl = float(candidate.held.mean())
         self.measured.append(candidate)
         return candidate
@@ -345,9 +356,9 @@ class RecipeRun:
     def blockwise(self, base: Candidate, steps: int, on_step: Optional[Callable[[nn.Module, int, int], None]] = None
                   ) -> Candidate:
         """``base`` refined layer by layer (``blockwise.refine_blocks``: each layer's output error in the Fisher form
-        of the source's output KL, with the source's sensitivities on the refinement's inputs, read once, on the
-        tokens the layers refined before it give: ``converted_calls``), a copy, measured; ``on_step(layer, l, step)``
-        after each step of layer ``l`` (the experiments' snapshots)."""
+        of the objective (the source's output KL for a classifier), with the source's sensitivities on the refinement's
+        inputs, read once, on the tokens the layers refined before it give: ``converted_calls``), a copy, measured;
+        ``on_step(layer, l, step)`` after each step of layer ``l`` (the experiments' snapshots)."""
         calls = self.cached_calls()
         fits = copies(base.fits)
         self.install(fits)
@@ -459,9 +470,9 @@ def timed_forward(model: nn.Module, batch: Tensor, bf16: bool) -> tuple[float, f
 
 def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Candidate, dict[str, Verdict]]:
     """The candidate kept and the guard's verdict on every other one (``guard.judge`` against the weight-only fit):
-    of the candidates whose held-out gain over the weight-only fit is resolved, the one with the lowest held-out KL;
+    of the candidates whose held-out gain over the weight-only fit is resolved, the one with the lowest held-out score;
     the weight-only fit where none is. Without the weight-only fit in ``pool`` (pinned candidates) there is nothing
-    to judge against: the lowest held-out KL."""
+    to judge against: the lowest held-out score."""
     reference = next((c for c in pool if c.name == "weight"), None)
     if reference is None:
         return min(pool, key=lambda c: c.held_kl), {}
@@ -516,8 +527,11 @@ def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str
 
 def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verdicts: dict[str, Verdict],
               effort: str, steps: int) -> dict:
-    """The report's summary of a calibrated conversion (``ConversionReport.summary``); ``guard``: the verdict on the
-    candidate kept, or, where the weight-only fit was kept, on the candidate with the lowest held-out KL."""
+    """The report's summary of a calibrated conversion (``ConversionReport.summary``): ``objective`` names the
+    held-out score (``objective.py``) that ``candidates``, ``held_out_kl`` and ``weight_only_kl`` hold (the KL for a
+    classifier); of a feature model also the mean held-out cosine to the source's features of the candidate kept and
+    of the weight-only fit. ``guard``: the verdict on the candidate kept, or, where the weight-only fit was kept, on
+    the candidate with the lowest held-out score."""
     source, recipe, reference = run.source, run.recipe, found.get("weight")
     summary = {
         "images_fit": source.fit, "images_held_out": source.held_out,
@@ -532,7 +546,11 @@ def summarize(run: RecipeRun, found: dict[str, Candidate], best: Candidate, verd
         "held_out_kl": best.held_kl,
         "weight_only_kl": None if reference is None else reference.held_kl,
         "gain_over_weight_only": None if reference is None else reference.held_kl - best.held_kl,
+        "objective": run.objective,
     }
+    if best.cosine is not None:
+        summary["held_out_cosine"] = best.cosine
+        summary["weight_only_cosine"] = None if reference is None else reference.cosine
     shown = best.name if best.name in verdicts else min(verdicts, key=lambda c: found[c].held_kl, default=None)
     if shown is not None and (shown == best.name or found[shown].held_kl < best.held_kl):
         summary["guard"] = verdicts[shown].as_dict()

@@ -24,6 +24,7 @@ from ...weights_io import (HUB_OUTPUT, atomic_write, check_fit, check_output_fol
 from ..weights.whitening import DEFAULT_RIDGE
 from ..calibration.capture import calibration_images
 from ..weights.dims import KeyDimSpec, check_spec, layer_dims
+from ..calibration.objective import DESCRIPTIONS
 from ..calibration.recipe import Recipe
 from .record import converted_record, rebuild_problem
 from ..reparam import LayerReport, convert_model, probe_input_size, timm_attention_layers
@@ -170,11 +171,15 @@ def format_report(reports: list[LayerReport]) -> str:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """One line per candidate of the calibrated recipe (its held-out KL), and which was kept."""
-    lines = [f"candidates, KL to the source's outputs on {summary['images_held_out'] or summary['images_fit']} "
-             f"{summary['measured_on']}:"]
-    lines += [f"  {name}: {kl:.4g}" + ("  <- kept" if name == summary["chosen"] else "")
-              for name, kl in summary["candidates"].items()]
+    """One line per candidate of the calibrated recipe (its held-out score of the conversion's objective: the KL to
+    the source's outputs for a classifier, ``objective.DESCRIPTIONS``), and which was kept (of a feature model, with
+    its held-out cosine to the source's features)."""
+    objective = summary.get("objective", "kl")
+    short = {"kl": "KL", "cosine": "1 - cosine", "mse": "relative squared error"}[objective]
+    lines = [f"candidates, {DESCRIPTIONS[objective]} (objective: {objective}) on "
+             f"{summary['images_held_out'] or summary['images_fit']} {summary['measured_on']}:"]
+    lines += [f"  {name}: {score:.4g}" + ("  <- kept" if name == summary["chosen"] else "")
+              for name, score in summary["candidates"].items()]
     guard = summary.get("guard")
     if guard:
         verdict = "kept" if guard["kept"] else "not resolved: weight-only kept"
@@ -182,8 +187,12 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"({guard['confidence']:.0%} interval [{guard['low']:.4g}, {guard['high']:.4g}]): {verdict}")
     gain = summary.get("gain_over_weight_only")
     if gain is not None:
-        lines.append(f"kept {summary['chosen']}: held-out KL {summary['held_out_kl']:.4g}, weight-only "
+        lines.append(f"kept {summary['chosen']}: held-out {short} {summary['held_out_kl']:.4g}, weight-only "
                      f"{summary['weight_only_kl']:.4g} ({gain:.4g} lower)")
+    if summary.get("held_out_cosine") is not None:
+        weight = summary.get("weight_only_cosine")
+        lines.append(f"held-out cosine to the source's features: {summary['held_out_cosine']:.6f}"
+                     + ("" if weight is None else f", weight-only {weight:.6f}"))
     return "\n".join(lines)
 
 
