@@ -446,7 +446,7 @@ def stages(report: dict[str, Any]) -> str:
     scores = ", ".join(f"{k} {v:.4g}" for k, v in (calib.get("candidates") or {}).items())
     refine = calib.get("refine") or {}
     spent = f"; refine {refine['seconds']:.0f} s" if "seconds" in refine else ""
-    return f"kept {calib.get('chosen')}; held-out {scores}; capture {calib.get('capture_seconds', 0):.0f} s{spent}"
+    return f"kept {calib.get('chosen')}; held-out {calib.get('objective', 'kl')} {scores}; capture {calib.get('capture_seconds', 0):.0f} s{spent}"
 
 
 # "default": the package's objective when the row ran; before the feature objective existed (the pre-registered
