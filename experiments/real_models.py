@@ -235,12 +235,15 @@ def tensors(dataset: Any, indices: np.ndarray) -> tuple[torch.Tensor, np.ndarray
     return torch.stack([t(im.convert("RGB")) for im in images]), np.asarray(labels)
 
 
-def calibration_folder(kind: str, work: Path, dataset: Any, indices: np.ndarray) -> Path:
+def calibration_folder(kind: str, work: Path, dataset: Any, indices: np.ndarray, photos_dir: Path) -> Path:
     """A folder ``collab-vit convert --calibration-data-dir`` reads: the Fashion-MNIST calibration draw as PNGs
-    (28 px gray: the command's transform resizes them as ``transform`` does), or the ImageNet sample photos."""
+    (28 px gray: the command's transform resizes them as ``transform`` does), or the ImageNet sample photos (the
+    ``*.JPEG`` of a clone of EliSchwartz/imagenet-sample-images in ``photos_dir``)."""
     folder = work / f"calibration-{kind}"
     if kind == "photos":
-        source = Path(os.environ.get("IMAGENET_SAMPLES", "/work/cache/imagenet-sample-images"))
+        source = photos_dir
+        if not any(source.glob("*.JPEG")):
+            raise SystemExit(f"real_models: no *.JPEG in {source} (--photos: a clone of imagenet-sample-images)")
         (folder / "all").mkdir(parents=True, exist_ok=True)
         for jpeg in sorted(source.glob("*.JPEG")):
             link = folder / "all" / jpeg.name
@@ -410,7 +413,8 @@ def run(args: argparse.Namespace) -> None:
     index = draws(args.seed, len(train), 10000, CALIBRATION)
     folder = None
     if args.effort != "weight":
-        folder = calibration_folder(args.calibration, args.work, train, index["calibration"])
+        folder = calibration_folder(args.calibration, args.work, train, index["calibration"],
+                                    args.photos or args.cache / "imagenet-sample-images")
     base = {"commit": git_commit(), "machine": machine() + " (shared with other jobs: seconds are indicative)",
             "command": " ".join(shlex.quote(a) for a in sys.argv), "seed": args.seed, "checkpoint": str(args.checkpoint)}
     for key_dim in args.key_dims:
@@ -504,6 +508,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             sub.add_argument("--objective", default="default", choices=["default", "cosine", "mse", "kl"],
                              help="the feature objective patched into the conversion (default: the package's)")
             sub.add_argument("--data", type=Path, default=Path("data"), help="Fashion-MNIST root")
+            sub.add_argument("--photos", type=Path, default=None,
+                             help="the ImageNet sample photos (default: CACHE/imagenet-sample-images)")
             sub.add_argument("--work", type=Path, default=None, help="default: CACHE/work")
             sub.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
