@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 OBJECTIVES = ("kl", "cosine", "mse")
-FEATURE_OBJECTIVE = "cosine"  # of a model without a head; chosen on a real DINOv2 (experiments/real_models.py)
+FEATURE_OBJECTIVE = "cosine"  # of a model without a head: a prior (docs/post_hoc.md, "Objective"), not a measurement
 DESCRIPTIONS = {"kl": "KL to the source's outputs", "cosine": "1 - cosine to the source's features",
                 "mse": "relative squared error to the source's features"}
 
