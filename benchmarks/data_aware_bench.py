@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -164,16 +163,16 @@ def main() -> None:
     source = timm.create_model(args.model).eval().to(device)
     images = torch.randn(args.images, *source.pretrained_cfg["input_size"], generator=torch.Generator().manual_seed(1))
     recipe = Recipe(amp=amp)
-    weight_only, _ = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", None, "fast", 0,
+    weight_only, _ = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, None, "fast", 0,
                                                  False, recipe))
-    fast, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", images, "fast", 0,
+    fast, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, images, "fast", 0,
                                                False, recipe))
     summary = report.summary
     capture = summary["capture_seconds"] / args.images
     originals = [attn for _, attn in timm_attention_layers(source)]
     batch = images[:16]
     model = copy.deepcopy(source)
-    convert_model(model, args.key_dim, "tucker", None, "fast", 0, False, recipe)
+    convert_model(model, args.key_dim, None, "fast", 0, False, recipe)
     layer = [m for m in model.modules() if type(m).__name__ == "CollaborativeAttention"][-1]
     bf16 = bf16_of(recipe, source)  # the precision of the parts the command runs here
     per_image, per_step = parts(source, originals, batch, layer, args.refine_steps, recipe.samples, bf16)
@@ -206,7 +205,7 @@ def main() -> None:
     if args.measure_default:
         many = torch.randn(args.default_images, *source.pretrained_cfg["input_size"],
                            generator=torch.Generator().manual_seed(2))
-        measured, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, "tucker", many, "default",
+        measured, report = timed(lambda: convert_model(copy.deepcopy(source), args.key_dim, many, "default",
                                                        0, False, recipe))
         kept = report.summary["chosen"]
         print(f"| recipe, effort default, {args.default_images} images, measured | {measured:.0f} | "

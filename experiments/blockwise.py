@@ -27,7 +27,7 @@ from collab_vit import reparametrize
 from collab_vit.cli import calibration_loader
 from collab_vit.conversion.calibration.capture import calibration_images
 from collab_vit.conversion.files.commands import load_source
-from collab_vit.conversion.calibration.recipe import Candidate, Recipe, RecipeRun, choose
+from collab_vit.conversion.calibration.recipe import Recipe, RecipeRun, choose
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
 
 
@@ -41,7 +41,7 @@ def blockwise_cell(source: torch.nn.Module, images: torch.Tensor, key_dim: int, 
                    args: argparse.Namespace, test: tuple) -> dict:
     model = copy.deepcopy(source).eval()
     recipe = Recipe(holdout=64, samples=samples, refine_lr=args.lr, batch_size=args.batch)
-    run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", args.seed)
+    run = RecipeRun(model, timm_attention_layers(model), images, recipe, args.seed)
     dims = [key_dim] * len(run.layers)
     starts = {name: run.fit_start(name, dims) for name in ("weight", "whitened")}
     row = {"starts": {}}

@@ -49,7 +49,7 @@ from collab_vit.cli import calibration_loader
 from collab_vit.conversion.calibration.blockwise import mean_loss, source_outputs
 from collab_vit.conversion.calibration.capture import calibration_images
 from collab_vit.conversion.files.commands import load_source
-from collab_vit.conversion.calibration.recipe import (IMAGES, PASSES, ROTARY, SAMPLES, STANDARD, Candidate, Recipe, RecipeRun,
+from collab_vit.conversion.calibration.recipe import (IMAGES, PASSES, SAMPLES, Candidate, Recipe, RecipeRun,
                                                       choose, copies, split)
 from collab_vit.conversion.reparam import probe_input_size, timm_attention_layers
 from collab_vit.conversion.weights.rotary import is_rotary
@@ -152,7 +152,7 @@ def grid(args: argparse.Namespace) -> None:
         model = copy.deepcopy(source).eval()
         recipe = Recipe(refine_lr=lr, holdout=holdout, bf16=args.bf16, samples=args.samples or SAMPLES)
         run = (BlockRun if args.target == "block" else RecipeRun)(
-            model, timm_attention_layers(model), images, recipe, "tucker", args.seed, ROTARY if rotary else STANDARD)
+            model, timm_attention_layers(model), images, recipe, args.seed, rotary)
         dims = [key_dim] * len(run.layers)
         starts = {}
         for name in run.builder.starts:

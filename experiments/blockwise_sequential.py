@@ -30,7 +30,7 @@ from blockwise_loso import FRACTIONS, packed, paired, predictions, prepared
 from runner import ROOT, git_commit, machine, write_json
 
 from collab_vit.conversion.calibration.blockwise import bf16_parts, refine_blocks, source_outputs
-from collab_vit.conversion.calibration.recipe import (DEFAULT_IMAGES, ROTARY, STANDARD, Candidate, Recipe, RecipeRun,
+from collab_vit.conversion.calibration.recipe import (DEFAULT_IMAGES, Candidate, Recipe, RecipeRun,
                                                       choose, copies, refine_steps)
 from collab_vit.conversion.reparam import timm_attention_layers
 
@@ -98,7 +98,7 @@ def sequential(run: RecipeRun, base: Candidate, steps: int, compensate: bool = T
 def cell(source: torch.nn.Module, images: torch.Tensor, key_dim: int, rotary: bool, seed: int, test: tuple) -> dict:
     model = copy.deepcopy(source).eval()
     recipe = Recipe()
-    run = RecipeRun(model, timm_attention_layers(model), images, recipe, "tucker", seed, ROTARY if rotary else STANDARD)
+    run = RecipeRun(model, timm_attention_layers(model), images, recipe, seed, rotary)
     dims = [key_dim] * len(run.layers)
     starts = {name: run.fit_start(name, dims) for name in run.builder.starts}
     row: dict = {"starts": {}}

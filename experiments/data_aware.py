@@ -127,11 +127,11 @@ def run_cell(name: str, source: torch.nn.Module, key_dim, variant: str, pool: to
     if variant.startswith("cut"):
         layers = cut_baseline(model, key_dim, pool[:n] if variant == "cut-white" else None, held, args.ridge)
     elif variant == "weight":
-        reports = convert_model(model, key_dim, "tucker", None, "fast", args.seed, False, Recipe(), probe=held)
+        reports = convert_model(model, key_dim, None, "fast", args.seed, False, Recipe(), probe=held)
         layers = [r.as_dict() for r in reports]
     else:
         recipe = Recipe(ridge=args.ridge, candidates=PINNED.get(variant), refine_steps=args.refine_steps)
-        reports = convert_model(model, key_dim, "tucker", pool[:n], EFFORT.get(variant, "default"), args.seed, False,
+        reports = convert_model(model, key_dim, pool[:n], EFFORT.get(variant, "default"), args.seed, False,
                                 recipe)
         layers, summary = [r.as_dict() for r in reports], reports.summary
     seconds = time.perf_counter() - start

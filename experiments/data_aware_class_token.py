@@ -63,14 +63,14 @@ def main() -> None:
               "machine": machine()}
     for variant in ("weight", "data"):
         model = copy.deepcopy(source)
-        convert_model(model, 4, "tucker", None if variant == "weight" else pool, "fast", 0, False,
+        convert_model(model, 4, None if variant == "weight" else pool, "fast", 0, False,
                       Recipe(candidates=("whitened",), prefix_weight=1.0))
         result["errors_key_dim_4"][variant] = row_errors(model, source, held)
         print(variant, result["errors_key_dim_4"][variant], flush=True)
     for weight in args.weights:
         for key_dim in (8, 4):
             model = copy.deepcopy(source)
-            convert_model(model, key_dim, "tucker", pool, "fast", 0, False,
+            convert_model(model, key_dim, pool, "fast", 0, False,
                           Recipe(candidates=("whitened",), prefix_weight=weight))
             row = {"class_weight": weight, "key_dim": key_dim, "delta_top1": round(top1(model, *test) - base, 2)}
             result["class_weight_probe"].append(row)

@@ -42,7 +42,6 @@ from collab_vit.cli import calibration_loader
 from collab_vit.conversion.weights import rotary_fit
 from collab_vit.conversion.calibration.capture import calibration_images
 from collab_vit.conversion.reparam import probe_input_size, reparametrize, timm_attention_layers
-from collab_vit.conversion.weights.rotary import rotary_layer
 from collab_vit.hub import save_pretrained
 from collab_vit.training.build import build_model, load_weights
 from collab_vit.training.config import build_config

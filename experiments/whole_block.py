@@ -110,7 +110,7 @@ def step_seconds(model_name: str, steps: int, bf16: bool) -> dict[str, float]:
     x = torch.randn(64, 197, attn.num_heads * attn.head_dim)
     out = {}
     for target in ("attention", "block"):
-        layer = fit_attention(attn, attn.num_heads * attn.head_dim // 2, "tucker", None, seed=0).layer
+        layer = fit_attention(attn, attn.num_heads * attn.head_dim // 2).layer
         source, converted = (attn, layer) if target == "attention" else (unit(block, attn), unit(block, layer))
         with torch.no_grad():
             grads = torch.randn(64, 4, 197, x.shape[-1])

@@ -51,7 +51,7 @@ def test_cached_calls_replay_every_layer_of_the_source() -> None:
 
 
 def test_refinement_lowers_each_layer_loss_and_trains_only_the_mixing_and_projections() -> None:
-    for name, fit in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker")),
+    for name, fit in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8)),
                       ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8))):
         model = small(name)
         sources = [block.attn for block in model.blocks]
@@ -78,7 +78,7 @@ def test_a_layer_whose_loss_rises_keeps_its_start() -> None:
     model = small("deit_tiny_patch16_224")
     sources = [block.attn for block in model.blocks]
     calls = layer_inputs(model, sources, torch.randn(16, 3, 32, 32), 16, 2)
-    layers = [fit_attention(a, 64, "tucker").layer for a in sources]
+    layers = [fit_attention(a, 64).layer for a in sources]
     start = [copy.deepcopy(layer.state_dict()) for layer in layers]
     result = refine_blocks(sources, layers, calls, 3, 1.0, 8, 0, False)
     assert result.kept_start and result.kl_after == result.kl_before < 1e-10
@@ -106,7 +106,7 @@ def test_bf16_parts_run_the_sensitivity_pass_and_the_steps_in_bfloat16_and_judge
     with bf16_parts(True):
         first = layer_inputs(model, sources, images, 8, 2, kept=1)
     assert torch.equal(first[0][0], full[0][0]) and first[1][0] is None
-    layers = [fit_attention(a, 8, "tucker").layer for a in sources]
+    layers = [fit_attention(a, 8).layer for a in sources]
     seen.clear()
     handles = [a.register_forward_hook(lambda m, i, out: seen.append(out.dtype)) for a in layers]
     with bf16_parts(True):
@@ -115,7 +115,7 @@ def test_bf16_parts_run_the_sensitivity_pass_and_the_steps_in_bfloat16_and_judge
     assert seen == ([torch.float32] * 2 + [torch.bfloat16] * 5 + [torch.float32] * 2) * 2
     assert result.kl_after < result.kl_before and not result.kept_start
     seen.clear()
-    refine_blocks(sources, [fit_attention(a, 8, "tucker").layer for a in sources], calls, 2, 1e-2, 8, 0, False)
+    refine_blocks(sources, [fit_attention(a, 8).layer for a in sources], calls, 2, 1e-2, 8, 0, False)
     for h in handles:
         h.remove()
     assert torch.bfloat16 not in seen
@@ -131,7 +131,7 @@ def test_bf16_steps_inside_the_recipe_follow_the_updated_weights() -> None:
     model, x = small("deit_tiny_patch16_224"), torch.randn(24, 3, 32, 32)
     refined = {}
     for bf16 in (False, True):
-        report = convert_model(copy.deepcopy(model), 8, "tucker", x, "default", 0, False,
+        report = convert_model(copy.deepcopy(model), 8, x, "default", 0, False,
                                Recipe(holdout=8, refine_steps=50, batch_size=8, bf16=bf16,
                                       candidates=("whitened+blocks",)))
         refined[bf16] = report.summary["refine"]
@@ -146,7 +146,7 @@ def test_a_shorter_run_is_a_prefix_of_a_longer_one_layer_by_layer() -> None:
     model = small("deit_tiny_patch16_224")
     sources = [block.attn for block in model.blocks]
     calls = layer_inputs(model, sources, torch.randn(24, 3, 32, 32), 8, 2)
-    start = [fit_attention(a, 8, "tucker").layer for a in sources]
+    start = [fit_attention(a, 8).layer for a in sources]
     short = copy.deepcopy(start)
     refine_blocks(sources, short, calls, 3, 1e-2, 8, 0, False)
     seen, snapshots = [], {}
@@ -200,7 +200,7 @@ def test_the_default_refinement_runs_the_whole_model_a_fixed_number_of_times() -
     for pinned, steps in ((None, 5), (None, 50), (("weight+blocks",), 5), (("weight+blocks",), 50)):
         calls = []
         handle = model.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
-        convert_model(copy.deepcopy(model), 8, "tucker", x, "default", 0, False,
+        convert_model(copy.deepcopy(model), 8, x, "default", 0, False,
                       Recipe(holdout=8, refine_steps=steps, batch_size=8, candidates=pinned))
         handle.remove()
         counts[pinned, steps] = len(calls)
@@ -280,7 +280,7 @@ def test_the_cache_estimate_is_what_the_cache_holds() -> None:
         with store.use():
             stored = layer_inputs(model, sources, images, 2, 3, kept=1)
         assert all(torch.equal(a[3], b[3]) for a, b in zip(first, stored))
-        layers = [(fit_rotary(a, 8) if "rope" in name else fit_attention(a, 8, "tucker")).layer for a in sources]
+        layers = [(fit_rotary(a, 8) if "rope" in name else fit_attention(a, 8)).layer for a in sources]
         for block, layer in zip(model.blocks, layers):
             block.attn = layer
         most = [0]
@@ -308,7 +308,7 @@ model = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=4, de
                           num_classes=10).eval()
 images = torch.randn(int(sys.argv[1]), 3, 32, 32)
 """ + WATCH + """
-convert_model(model, 8, "tucker", images, "default", 0, False, recipe.Recipe(candidates=("weight+blocks",)))
+convert_model(model, 8, images, "default", 0, False, recipe.Recipe(candidates=("weight+blocks",)))
 """ + REPORT
 
 
@@ -340,7 +340,7 @@ def test_each_layer_is_refined_on_the_tokens_the_refined_layers_before_it_give()
     """``converted_calls``: the first layer reads the source's tokens, the second what the model gives it with the
     first converted and refined (not the source's tokens), each read after the layer before it was refined; the
     recipe's blockwise refinement is that, rope included."""
-    for name, fit in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker")),
+    for name, fit in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8)),
                       ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8))):
         model = small(name)
         images = torch.randn(24, 3, 32, 32)
@@ -379,9 +379,9 @@ def test_converted_tokens_are_carried_block_to_block_as_a_stopped_pass_reads_the
     """``converted_calls`` reads each layer's tokens by running the block before it once over the images (block 0
     crosses each image once, plus one checking batch per layer), and they are the stopped pass's to the bit, rope
     included; where the model does more between two blocks, the stopped passes read them from there on."""
-    for name, fit, between in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker"), False),
+    for name, fit, between in (("deit_tiny_patch16_224", lambda a: fit_attention(a, 8), False),
                                ("vit_small_patch16_rope_224", lambda a: fit_rotary(a, 8), False),
-                               ("deit_tiny_patch16_224", lambda a: fit_attention(a, 8, "tucker"), True)):
+                               ("deit_tiny_patch16_224", lambda a: fit_attention(a, 8), True)):
         torch.manual_seed(0)
         model = timm.create_model(name, **{**SMALL, "depth": 5}).eval()
         sources = [block.attn for block in model.blocks]
@@ -409,11 +409,10 @@ def test_converted_tokens_are_carried_block_to_block_as_a_stopped_pass_reads_the
 def test_the_recipe_holds_the_first_layers_tokens_alone() -> None:
     """The recipe's cache keeps the source's tokens of the first layer only (the others are read from the converted
     model) and every layer's sensitivities; experiments may ask for every layer's tokens."""
-    from collab_vit.conversion.calibration.recipe import STANDARD, Recipe, RecipeRun
+    from collab_vit.conversion.calibration.recipe import Recipe, RecipeRun
 
     model = small("deit_tiny_patch16_224")
-    run = RecipeRun(model, timm_attention_layers(model), torch.randn(24, 3, 32, 32), Recipe(), "tucker", 0,
-                    STANDARD)
+    run = RecipeRun(model, timm_attention_layers(model), torch.randn(24, 3, 32, 32), Recipe(), 0)
     calls = run.cached_calls()
     assert calls[0][0].shape[0] == 18 and [c[0] for c in calls[1:]] == [None]
     every = run.cached_calls(every_layer=True)

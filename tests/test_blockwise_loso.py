@@ -88,7 +88,7 @@ def test_the_grid_replays_the_package_and_chooses(tiny_fashion_mnist, tmp_path):
     torch.set_num_threads(1)
     snap = row['snapshots'][0]
     converted = copy.deepcopy(model)
-    report = convert_model(converted, 1, 'tucker', images, 'default', 0, False, Recipe(refine_steps=snap['steps']))
+    report = convert_model(converted, 1, images, 'default', 0, False, Recipe(refine_steps=snap['steps']))
     refined = f"{row['refined_from']}+blocks"
     assert report.summary['candidates'] == {name: fmean(entry['held']) for name, entry in
                                             [*row['starts'].items(), (refined, snap)]}
@@ -127,7 +127,7 @@ def test_the_whole_block_target_is_the_attention_target_where_the_mlp_adds_nothi
     images = torch.randn(12, 1, 28, 28, dtype=torch.float64)
 
     def first_losses(model, kind):
-        run = kind(model, timm_attention_layers(model), images, Recipe(holdout=4, batch_size=4), 'tucker', 0)
+        run = kind(model, timm_attention_layers(model), images, Recipe(holdout=4, batch_size=4), 0)
         start = run.fit_start('weight', [4, 4])
         calls = run.cached_calls(every_layer=True)
         sources = getattr(run, 'source_blocks', run.originals)

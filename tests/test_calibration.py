@@ -17,7 +17,8 @@ from collab_vit.conversion.weights.whitening import TokenMoments, whitener, whit
 from collab_vit.conversion.weights.decompose import split_qkv_heads
 from collab_vit.conversion.weights.fit import fit_attention as fit_sides
 from collab_vit.conversion.calibration.guard import held_out_split
-from collab_vit.conversion.calibration import recipe as recipe_module
+from collab_vit.conversion.calibration import candidates as candidates_module
+from reference_decompose import decomposed_by
 from collab_vit.conversion.weights.dims import REMOVED
 from collab_vit.conversion.calibration.recipe import Recipe
 from collab_vit.conversion.reparam import convert_model, reparametrize_attention
@@ -26,12 +27,13 @@ from collab_vit.conversion.reparam import convert_model, reparametrize_attention
 def fit_attention(attn: Attention, key_dim: int, method: str = "tucker", tokens=None, ridge: float = 1e-2):
     """One layer fitted weight-only, or to ``tokens`` (their whitening, every token alike)."""
     sides = None if tokens is None else whitening(TokenMoments.of(tokens), ridge)
-    return fit_sides(attn, key_dim, method, sides)
+    with decomposed_by(method):
+        return fit_sides(attn, key_dim, sides)
 
 
 def convert(model, key_dim, calibration, effort: str = "default", **recipe):
     """The calibrated conversion with inside options (``Recipe``); returns the report."""
-    return convert_model(model, key_dim, "tucker", calibration, effort, 0, False, Recipe(**recipe))
+    return convert_model(model, key_dim, calibration, effort, 0, False, Recipe(**recipe))
 
 
 CLOSED = dict(candidates=("whitened",), prefix_weight=1.0)  # the whitened closed form alone
@@ -185,7 +187,7 @@ def test_dataloader_and_tensor_give_the_same_layer(monkeypatch) -> None:
     x = images(10, dtype=F64)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.zeros(10)), batch_size=4)
     results = []
-    monkeypatch.setattr(recipe_module, "fit_attention", functools.partial(fit_sides, max_iter=0))
+    monkeypatch.setattr(candidates_module, "fit_attention", functools.partial(fit_sides, max_iter=0))
     for calibration in (x, loader, list(x.split(3))):
         converted = copy.deepcopy(model)
         convert(converted, 6, calibration, holdout=2, batch_size=5, **CLOSED)

@@ -244,7 +244,7 @@ def test_pixels_convert_as_the_normalised_images_do_bit_for_bit(family, data) ->
     for read in (calibration_loader, calibration_pixels):
         model = timm.create_model(FAMILIES[family], **SMALL).eval()
         model.load_state_dict(source.state_dict())
-        report = convert_model(model, 8, "tucker", read("", str(data), "train", IMAGES, model), "default", 0, False,
+        report = convert_model(model, 8, read("", str(data), "train", IMAGES, model), "default", 0, False,
                                Recipe(candidates=("whitened+blocks",), refine_steps=3, batch_size=4))
         results.append((model.state_dict(), report.summary["candidates"], [r.output_error for r in report]))
     (floats, kl, errors), (pixels, kl_pixels, errors_pixels) = results

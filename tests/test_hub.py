@@ -4,7 +4,6 @@ arguments, each layer's class and key dim); folders written by version 0.2 still
 the mixing matrices out of weight decay whatever the model class; refusals write nothing."""
 from __future__ import annotations
 
-import copy
 import json
 import pickle
 import shutil

@@ -73,7 +73,8 @@ def test_written_once(pattern, home):
     (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/weights/dims.py'),  # one key dim for every layer
     # key-dim specs
     (r'startswith\(["\']budget=|entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
-    (r'fit_attention\)?\([^)]*, None\b', 'conversion/calibration/recipe.py'),  # a weight-only fit: Builder.weight_only
+    # a weight-only fit (a layer's fit without whitening sides): convert.convert_layer
+    (r'fit_(?:attention|rotary)\(\w+, [\w.]+(?:\)|, \*\*)', 'conversion/weights/convert.py'),
 ])
 def test_conversion_concepts_computed_once(pattern, home):
     """Issue 54: each of these is computed in its home module of ``conversion/`` only (found by what the code
@@ -82,14 +83,21 @@ def test_conversion_concepts_computed_once(pattern, home):
     assert any(where.startswith(home + ':') for where in written_outside(pattern, '')), 'the pattern finds nothing'
 
 
+def test_token_sizes_read_by_one_hooked_pass():
+    """One image's token size of each layer is read in one place, a forward pre-hook of ``blockwise.probe``
+    (``token_bytes`` and ``layer_inputs`` take the shapes from it), found by what a hook computes from its input."""
+    found = written_outside(r'\b(args|a)\[0\](\[0\])?\.(shape\[1:\]|numel\(\))', '')
+    assert found == [next(w for w in found if w.startswith('conversion/calibration/blockwise.py:'))], found
+
+
 def test_conversion_paths_call_the_one_function(monkeypatch):
     """The weight-only conversion of standard and rotary layers, the recipe's weight-only start and the conversion
-    on load go through ``Builder.weight_only``; every report's output error through ``fit.output_error``."""
-    from collab_vit.conversion.weights import fit
-    from collab_vit.conversion.calibration import recipe
+    on load go through ``convert.convert_layer`` (its two fits counted where it calls them); every report's output
+    error through ``fit.output_error``."""
+    from collab_vit.conversion.weights import convert, fit
     from collab_vit.conversion import reparam
     calls = {'weight_only': 0, 'output_error': 0}
-    weight_only, output_error = recipe.Builder.weight_only, fit.output_error
+    output_error = fit.output_error
 
     def counted(name, function):
         def wrapper(*args, **kwargs):
@@ -97,7 +105,8 @@ def test_conversion_paths_call_the_one_function(monkeypatch):
             return function(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(recipe.Builder, 'weight_only', counted('weight_only', weight_only))
+    for name in ('fit_attention', 'fit_rotary'):
+        monkeypatch.setattr(convert, name, counted('weight_only', getattr(convert, name)))
     monkeypatch.setattr(reparam, 'output_error', counted('output_error', output_error))
     import timm
     torch.manual_seed(0)
@@ -119,7 +128,7 @@ def test_the_sites_use_them():
     with pytest.raises(ValueError, match=r"^threshold must be in \(0, 1\], got 1.5$"):
         spectrum.suggest_key_dim([], 1.5)
     with pytest.raises(ValueError, match=r'^max_iter must be a non-negative integer, got -1$'):
-        decompose.cp_decompose(torch.ones(2, 4, 2), torch.ones(2, 4, 2), 2, max_iter=-1)
+        decompose.tucker_decompose(torch.ones(2, 4, 2), torch.ones(2, 4, 2), 2, max_iter=-1)
     with pytest.raises(ValueError, match=r'^refine_lr must be a positive finite number, got True$'):
         blockwise.refine_blocks([], [], iter([]), 1, True)
 

@@ -12,20 +12,18 @@ import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
 from collab_vit.conversion.weights.dims import REMOVED
-from collab_vit.conversion.calibration.recipe import Recipe
-from collab_vit.conversion.reparam import convert_model
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.weights_io import read_weights
 from numerics import U32, assert_within, attention_chain, vit_chain
 from tinyrun import make_image_folder
+from reference_decompose import decomposed_by
 
 
 def convert(model, key_dim=None, method: str = "tucker", seed: int = 0, progress: bool = False):
-    """The public entry with its report (Tucker); the paper's ``parafac`` (and ``cp``), which the tests compare
-    against, through the inside entry."""
-    if method == "tucker":
+    """The public entry with its report (Tucker); the references the tests compare against (the paper's ``parafac``,
+    ``cp``) in Tucker's place (``reference_decompose.decomposed_by``)."""
+    with decomposed_by(method):
         return collab_vit.reparametrize(model, key_dim, seed=seed, progress=progress, return_report=True)[1]
-    return convert_model(model, key_dim, method, None, "default", seed, progress, Recipe())
 
 SMALL = dict(img_size=32, patch_size=8, depth=3, embed_dim=48, num_heads=3, num_classes=5)
 
@@ -117,9 +115,7 @@ def test_old_names() -> None:
     assert REMOVED["reparametrize_layers"].endswith("return_report=True)")
 
 
-def test_bad_method_and_model() -> None:
-    with pytest.raises(ValueError, match="method must be one of"):
-        convert(small_deit(), 8, "svd", progress=False)
+def test_bad_model() -> None:
     with pytest.raises(ValueError, match="has no timm Attention"):
         convert(torch.nn.Sequential(torch.nn.Linear(3, 3)), 8, progress=False)
 

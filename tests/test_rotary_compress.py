@@ -116,7 +116,7 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
     images = vit_family.images(24, seed=3)
     recipe = collab_vit.conversion.calibration.recipe.Recipe(refine_steps=6, batch_size=8, holdout=8)
     converted = copy.deepcopy(model)
-    report = collab_vit.conversion.reparam.convert_model(converted, 16, "tucker", images, "default", 0, False, recipe)
+    report = collab_vit.conversion.reparam.convert_model(converted, 16, images, "default", 0, False, recipe)
     summary = report.summary
     kl = summary["candidates"]
     better = min(("weight", "whitened", "select"), key=lambda start: kl[start])
@@ -143,13 +143,13 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
     images = vit_family.images(24, seed=3)
     recipe = collab_vit.conversion.calibration.recipe.Recipe(holdout=8, candidates=("select",))
     converted = copy.deepcopy(model)
-    report = collab_vit.conversion.reparam.convert_model(converted, 8, "tucker", images, "fast", 0, False, recipe)
+    report = collab_vit.conversion.reparam.convert_model(converted, 8, images, "fast", 0, False, recipe)
     assert report.summary["chosen"] == "select" and report.summary["candidate_key_dims"]["select"] == [8, 8]
     by_hand = selected(model, 8)  # ranked under each layer's rope
     x = vit_family.images(3, seed=5)
     assert torch.equal(converted(x), by_hand(x))
     attn = model.blocks[0].attn
-    rope = rotary_fit.layer_ropes(model, [("blocks.0.attn", attn)], x)[0]["rope"]
+    rope = layer_ropes(model, [("blocks.0.attn", attn)], x)[0]
     score = rotary_fit.frequencies(attn).logit_energy(rotary_fit.rope_row_mean(attn, rope))
     assert report[0].tensor_error == pytest.approx(selection_error(attn, 1, score), rel=1e-5)  # 1 pair/head
     full = rotary_fit.selection_fit(model.blocks[0].attn, rotary_fit.full_rank(model.blocks[0].attn))
@@ -157,12 +157,10 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
 
 
 def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) -> None:
-    """Where the weight-only fit is the selection (``rotary_fit.weight_only`` with ``LIGHT`` at half; the package's
-    ``LIGHT = 1`` never takes it since issue 54) the recipe scores that model once on the held-out images and both
-    candidates carry its scores (the whitened fit, another model, is scored); the model kept is the one scored."""
+    """At full rank every candidate of a rotary layer is the one exact layer (weight-only, whitened and the selection):
+    the recipe scores that model once on the held-out images and each candidate carries its scores."""
     from collab_vit.conversion.calibration import recipe as recipe_module
 
-    monkeypatch.setattr(rotary_fit, "LIGHT", 0.5)
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
@@ -170,16 +168,15 @@ def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) ->
     scored = recipe_module.per_image_scores
     monkeypatch.setattr(recipe_module, "per_image_scores", lambda *a: passes.append(1) or scored(*a))
     converted = copy.deepcopy(model)
-    key_dim = 48  # of 64: at least LIGHT, below full rank
-    report = collab_vit.conversion.reparam.convert_model(converted, key_dim, "tucker", images, "fast", 0, False,
+    key_dim = rotary_fit.full_rank(model.blocks[0].attn)
+    report = collab_vit.conversion.reparam.convert_model(converted, key_dim, images, "fast", 0, False,
                                                          recipe_module.Recipe(holdout=8))
     kl = report.summary["candidates"]
-    assert set(kl) == {"weight", "whitened", "select"} and kl["select"] == kl["weight"] != kl["whitened"]
-    assert len(passes) == 2
-    assert not report.summary["verdicts"]["select"]["kept"]
-    weight_only = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
+    assert set(kl) == {"weight", "whitened", "select"} and kl["select"] == kl["weight"] == kl["whitened"]
+    assert len(passes) == 1 and report.summary["chosen"] == "weight"
+    exact = collab_vit.reparametrize(copy.deepcopy(model), None, progress=False)
     x = vit_family.images(3, seed=5)
-    assert torch.equal(converted(x), (weight_only if report.summary["chosen"] == "weight" else converted)(x))
+    assert torch.equal(converted(x), exact(x))
 
 
 def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
@@ -200,6 +197,11 @@ def test_allocations_selection_counts_and_optimal_tensor_error() -> None:
         rotary_fit.plan(freqs, allocation="dp")
 
 
+def layer_ropes(model: nn.Module, layers: list, images: torch.Tensor) -> list:
+    """The rope each layer is called with on the first of ``images``."""
+    return [call[1].get("rope") for call in rotary.layer_calls(model, layers, images[:1])]
+
+
 def fitted(model: nn.Module, key_dim: int) -> nn.Module:
     """A copy of ``model`` with every layer's per-frequency fit at ``key_dim``."""
     by_hand = copy.deepcopy(model)
@@ -211,18 +213,17 @@ def fitted(model: nn.Module, key_dim: int) -> nn.Module:
 def selected(model: nn.Module, key_dim: int) -> nn.Module:
     """A copy of ``model`` whose heads each keep their strongest pairs under the rope each layer is called with."""
     layers = collab_vit.conversion.reparam.timm_attention_layers(model)
-    ropes = rotary_fit.layer_ropes(model, layers, vit_family.images(1, seed=0))
+    ropes = layer_ropes(model, layers, vit_family.images(1, seed=0))
     by_hand = copy.deepcopy(model)
-    for block, keywords in zip(by_hand.blocks, ropes):
-        block.attn = rotary_fit.selection_layer(block.attn, key_dim, keywords["rope"])
+    for block, rope in zip(by_hand.blocks, ropes):
+        block.attn = rotary_fit.selection_layer(block.attn, key_dim, rope)
     return by_hand
 
 
-def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path, monkeypatch) -> None:
-    """Issue 54 item 4 (``LIGHT = 1``): at every key dim below full rank the weight-only conversion is the
-    per-frequency fit, not each head keeping its strongest pairs (``selection_layer``, ranked under each layer's rope,
-    which it was from half the q/k dims before, issue 40, and is again with ``LIGHT`` at half); the calibrated
-    recipe's weight-only candidate is the weight-only conversion."""
+def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path) -> None:
+    """At every key dim below full rank the weight-only conversion is the per-frequency fit, not each head keeping
+    its strongest pairs (``selection_layer``, ranked under each layer's rope: RESULTS.md "The rotary weight-only
+    rule"); the calibrated recipe's weight-only candidate is the weight-only conversion."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     full = rotary_fit.full_rank(model.blocks[0].attn)
@@ -231,13 +232,9 @@ def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path, m
         converted = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
         by_hand = fitted(model, key_dim)
         assert torch.equal(converted(x), by_hand(x)) and not torch.equal(converted(x), selected(model, key_dim)(x))
-        with monkeypatch.context() as patched:
-            patched.setattr(rotary_fit, "LIGHT", 0.5)
-            at_half = collab_vit.reparametrize(copy.deepcopy(model), key_dim, progress=False)
-            assert torch.equal(at_half(x), selected(model, key_dim)(x)) == (key_dim >= full // 2)
         recipe = collab_vit.conversion.calibration.recipe.Recipe(holdout=8, candidates=("weight",))
         pinned = copy.deepcopy(model)
-        collab_vit.conversion.reparam.convert_model(pinned, key_dim, "tucker", images, "fast", 0, False, recipe)
+        collab_vit.conversion.reparam.convert_model(pinned, key_dim, images, "fast", 0, False, recipe)
         assert torch.equal(pinned(x), converted(x))
     source, again = convert_rope_to_folder(tmp_path, full // 2)  # through ``collab-vit convert`` and timm's reload
     by_hand = fitted(source, full // 2)

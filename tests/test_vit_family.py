@@ -18,7 +18,7 @@ import vit_family
 from collab_vit.cli import main as cli_main
 from collab_vit.conversion.calibration import recipe
 from collab_vit.conversion import reparam
-from collab_vit.conversion.weights.fit import METHODS
+from collab_vit.conversion.weights import fit
 from numerics import U32, assert_within
 
 POST_HOC = Path(__file__).parents[1] / "docs" / "post_hoc.md"
@@ -233,7 +233,7 @@ def test_convert_cli_bad_out_is_one_line(siglip_file, tmp_path: Path, capsys) ->
 def test_one_layer_with_qk_norm_is_refused_before_decomposing(monkeypatch) -> None:
     from timm.layers import Attention
 
-    monkeypatch.setitem(METHODS, "tucker", lambda *a, **k: pytest.fail("decomposed a refused layer"))
+    monkeypatch.setattr(fit, "tucker_decompose", lambda *a, **k: pytest.fail("decomposed a refused layer"))
     with pytest.raises(ValueError, match="cannot convert this Attention: qk_norm"):
         collab_vit.reparametrize_attention(Attention(32, 4, qk_norm=True, norm_layer=torch.nn.LayerNorm), 8)
 

@@ -21,9 +21,10 @@ from ..layers.attention import CollaborativeAttention
 from ..layers.construction import not_convertible, replace_submodule
 from .weights.whitening import TokenMoments, whitening
 from .weights.dims import REMOVED, KeyDimSpec, check_spec, layer_dims
-from .weights.fit import check_method, fit_attention, layer_from_decomposition, output_error
+from .weights.convert import convert_layer
+from .weights.fit import fit_attention, layer_from_decomposition, output_error
 from .calibration.capture import Calibration, normalising, peek
-from .calibration.recipe import ROTARY, STANDARD, Builder, Recipe, calibrated, check_effort
+from .calibration.recipe import Recipe, calibrated, check_effort
 from .weights.rotary import is_rotary, layer_calls
 from .weights.rotary_fit import only_rotary
 from .weights.support import all_or_nothing, attention_forms
@@ -97,7 +98,7 @@ def reparametrize_attention(attn: Attention, key_dim: Optional[int] = None, *,
         if moments.dim != attn.qkv.in_features:
             raise ValueError(f"calibration tokens have D={moments.dim}, the layer has D={attn.qkv.in_features}")
         sides = whitening(moments)
-    return fit_attention(attn, attn.attn_dim if spec is None else spec, "tucker", sides, seed=seed).layer
+    return fit_attention(attn, attn.attn_dim if spec is None else spec, sides).layer
 
 
 def probe_input_size(model: nn.Module) -> tuple[int, int, int]:
@@ -128,7 +129,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: 
         effort: ``"fast"`` (closed forms only), ``"default"`` (the better one refined: every layer alone, in
             ``recipe.PASSES["default"]`` passes over the fitting images, its output error weighted by its effect on
             the model's output) or ``"full"`` (``recipe.PASSES["full"]`` passes: the recipe for a GPU).
-        seed: seeds the decompositions and the refinement's minibatches (deterministic on one device).
+        seed: seeds the held-out draw and the refinement's minibatches (deterministic on one device; the
+            decompositions are deterministic).
         device: move the model there first (the forward passes and the refinement run there, the token capture in
             bfloat16 on CUDA; the decompositions on the CPU).
         progress: progress bars.
@@ -148,34 +150,29 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: 
     check_effort(effort)
     if device is not None:
         model.to(device)
-    report = convert_model(model, spec, "tucker", calibration, effort, seed, progress, Recipe())
+    report = convert_model(model, spec, calibration, effort, seed, progress, Recipe())
     return (model, report) if return_report else model
 
 
 @all_or_nothing
-def convert_model(model: nn.Module, key_dim: KeyDimSpec, method: str, calibration: Optional[Calibration],
-                  effort: str, seed: int, progress: bool, recipe: Recipe, probe: Optional[torch.Tensor] = None
-                  ) -> ConversionReport:
-    """:func:`reparametrize` with the inside options (``method``: ``"tucker"``, or the paper's ``"parafac"`` the tests
-    and benchmarks compare against; ``recipe``; ``probe``: the images of the weight-only output error, default 2
-    random ones); returns the report."""
-    check_method(method)
+def convert_model(model: nn.Module, key_dim: KeyDimSpec, calibration: Optional[Calibration], effort: str, seed: int,
+                  progress: bool, recipe: Recipe, probe: Optional[torch.Tensor] = None) -> ConversionReport:
+    """:func:`reparametrize` with the inside options (``recipe``; ``probe``: the images of the weight-only output
+    error, default 2 random ones); returns the report."""
     check_effort(effort)
     layers = timm_attention_layers(model)
     rotary = any(is_rotary(attn, model) for _, attn in layers)
     if rotary:
         only_rotary(model, layers)
     dims = layer_dims(check_spec(key_dim), layers, even=rotary)
-    builder = ROTARY if rotary else STANDARD
     if calibration is None or (rotary and key_dim is None):  # rotary at full rank: exact, nothing to calibrate
-        return _weight_only(model, layers, dims, (method, seed, builder), _probe(model, probe, seed), progress)
+        return _weight_only(model, layers, dims, rotary, _probe(model, probe, seed), progress)
     images = peek(calibration, probe_input_size(model), recipe.batch_size)  # counted; the first few read
     was_training = model.training
     model.eval()
     try:  # ``held``: each layer's call on the held-out images (the guard's seeded split), for the output errors
         with normalising(model, calibration):  # uint8 pixels normalised where they enter the model
-            fits, held, summary = calibrated(model, layers, dims, method, images, effort, seed, progress, recipe,
-                                             builder)
+            fits, held, summary = calibrated(model, layers, dims, images, effort, seed, progress, recipe, rotary)
     finally:
         model.train(was_training)
     where = f"{summary['images_held_out']} held-out calibration images" if summary["images_held_out"] \
@@ -194,19 +191,18 @@ def _probe(model: nn.Module, probe: Optional[torch.Tensor], seed: int) -> torch.
     return torch.randn(2, *probe_input_size(model), generator=torch.Generator().manual_seed(seed))
 
 
-def _weight_only(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: list[int],
-                 how: tuple[str, int, Builder], probe: torch.Tensor, progress: bool) -> ConversionReport:
-    """The weight-only conversion at ``dims``: each layer by ``Builder.weight_only`` (``how``: the method and seed of a
-    standard layer's fit, and the builder: rotary layers per frequency, ``rotary_fit.weight_only``), its output error
-    on the call it gets on the ``probe`` images (``rotary.layer_calls``, read before any layer is swapped)."""
-    method, seed, builder = how
+def _weight_only(model: nn.Module, layers: list[tuple[str, nn.Module]], dims: list[int], rotary: bool,
+                 probe: torch.Tensor, progress: bool) -> ConversionReport:
+    """The weight-only conversion at ``dims``: each layer by ``convert.convert_layer`` (``rotary`` layers per
+    frequency), its output error on the call it gets on the ``probe`` images (``rotary.layer_calls``, read before any
+    layer is swapped)."""
     calls = layer_calls(model, layers, probe)
-    what = "rotary re-parametrisation (per frequency)" if builder is ROTARY else f"{method} re-parametrisation"
+    what = "rotary re-parametrisation (per frequency)" if rotary else "tucker re-parametrisation"
     reports = []
     bar = console.progress(len(layers), what, progress)  # a bar on a terminal, plain lines in a log
     try:
         for (name, attn), rank, call in zip(layers, dims, calls):
-            fitted = builder.weight_only(attn, rank, method, {"rope": call[1].get("rope")}, seed=seed)  # rotary
+            fitted = convert_layer(attn, rank, rotary)
             reports.append(LayerReport(name, rank, fitted.tensor_error, output_error(fitted.layer, attn, call),
                                        fitted.seconds))
             replace_submodule(model, name, fitted.layer)

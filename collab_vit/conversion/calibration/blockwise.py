@@ -24,6 +24,7 @@ rose keeps its starting weights.
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -241,18 +242,11 @@ def resident_bytes(pid: int | str = "self") -> int:
 
 
 def token_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor) -> list[int]:
-    """The bytes of one image's tokens of each of ``layers`` as the store holds them (float32 at least), from one
-    forward pass of ``image`` (one image)."""
-    sizes: list[int] = []
-    handles = [layer.register_forward_pre_hook(lambda m, a: sizes.append(a[0][0].numel() * max(a[0].element_size(), 4)))
-               for layer in layers]
-    try:
-        with torch.no_grad():
-            model(image.to(next(model.parameters()).device))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sizes
+    """The bytes of one image's tokens of each of ``layers`` as the store holds them (``layer_inputs``: in the images'
+    dtype, float32 at least), from the one hooked pass that reads their shapes (``probe``; ``image``: one image)."""
+    shapes = probe(model, layers, image)[1]
+    size = torch.promote_types(image.dtype, torch.float32).itemsize
+    return [math.prod(shape) * size for shape in shapes]
 
 
 def cache_bytes(model: nn.Module, layers: list[nn.Module], image: Tensor, images: int, samples: int,

@@ -21,7 +21,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,11 +31,11 @@ from torch import Tensor
 from ... import console
 from ...checks import is_integer, positive_int
 from ...layers.construction import replace_submodule
-from ..weights.whitening import DEFAULT_RIDGE, prefix_weight_for, whitening
+from ..weights.whitening import DEFAULT_RIDGE, prefix_weight_for
 from ..weights.dims import REMOVED
 from .capture import Pending, model_outputs, prefix_tokens, source_tokens, tensor_bytes
-from ..weights.fit import LayerFit, fit_attention, tensor_error
-from ..weights import rotary_fit
+from ..weights.fit import LayerFit
+from .candidates import STARTS, Starts
 from .guard import Verdict, held_out_split, judge, per_image_scores
 from .objective import has_features, objective_for
 from . import state
@@ -55,7 +55,6 @@ PASSES: dict[str, int] = {"default": 8, "full": 16}
 DEFAULT_IMAGES = 768  # calibration images the command draws by default (fast and default; ``IMAGES``)
 IMAGES: dict[str, int] = {"fast": DEFAULT_IMAGES, "default": DEFAULT_IMAGES, "full": 2048}
 MAX_HOLDOUT = 256  # the guard's held-out images at most (RESULTS.md (b), "The constants"; 64 before)
-STARTS = ("weight", "whitened")
 
 
 def check_effort(effort: object) -> str:
@@ -142,43 +141,6 @@ def candidate_names(effort: str, ranked: Sequence[str]) -> list[str]:
     """The refined candidate of ``effort``: the best start (``ranked``: best first) with its refinement."""
     kind = EFFORTS[effort]
     return [f"{ranked[0]}+{kind}"] if kind else []
-
-
-@dataclass(frozen=True)
-class Builder:
-    """How one kind of layer's candidates are built: the whitening of a layer's moments, the fit (``fit_attention``'s
-    arguments) and the tensor error of a refined layer. None: standard attention's (this module's functions, looked
-    up when called); rotary layers: ``ROTARY``."""
-
-    sides: Optional[Callable] = None
-    fit: Optional[Callable] = None
-    tensor_error: Optional[Callable] = None
-    extra: tuple[tuple[str, Callable], ...] = ()  # more closed-form starts, ``(name, fit(attn, key_dim))``: at the
-    # weight-only start's key dims, measured and refined as the others (rotary layers: the strongest-pairs selection)
-    weight: Optional[Callable] = None  # the weight-only start, ``weight(attn, key_dim)``, where it is not ``fit``
-    # without sides (``rotary_fit.weight_only``)
-    calls: Optional[Callable] = None  # ``calls(model, layers, images)``: each layer's keywords for ``extra`` and
-    # ``weight`` (rotary layers: the rope it is called with, which ranks the selection's pairs)
-
-    @property
-    def starts(self) -> tuple[str, ...]:
-        return STARTS + tuple(name for name, _ in self.extra)
-
-    def weight_only(self, attn: nn.Module, key_dim: int, method: str = "tucker", keywords: Optional[dict] = None,
-                    **options: Any) -> LayerFit:
-        """One layer's weight-only conversion at ``key_dim``, the one function the recipe's weight-only start,
-        ``reparam``'s weight-only conversion and ``pretrained``'s conversion on load call: ``weight`` where set
-        (rotary layers, with the layer's ``keywords``: ``calls``), else the ``method`` fit (``options``: ``seed,
-        max_iter, tol, dtype``)."""
-        if self.weight is not None:
-            return self.weight(attn, key_dim, **(keywords or {}))
-        return (self.fit or fit_attention)(attn, key_dim, method, None, **options)
-
-
-STANDARD = Builder()
-# the recipe's candidates on rotary layers: the weight-only conversion, the whitened per-frequency fit and the selection
-ROTARY = Builder(rotary_fit.rotary_sides, rotary_fit.candidate_fit, rotary_fit.layer_error,
-                 (("select", rotary_fit.selection_fit),), rotary_fit.weight_only, rotary_fit.layer_ropes)
 
 
 def copies(fits: list[LayerFit]) -> list[LayerFit]:
@@ -271,18 +233,18 @@ def computed_on(device: torch.device) -> dict[str, str]:
 
 class RecipeRun:
     """One calibrated conversion under way: the source's data (``capture``: the seed draws the held-out images), and
-    how candidates are fitted (``method``, seeded), refined, installed in ``model`` and measured on the
-    held-out images. ``calibrated`` drives it; the experiments drive it step by step."""
+    how candidates are fitted (``candidates.Starts``: standard or ``rotary`` layers), refined (seeded), installed in
+    ``model`` and measured on the held-out images. ``calibrated`` drives it; the experiments drive it step by step."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor, recipe: Recipe,
-                 method: str = "tucker", seed: int = 0, builder: Builder = STANDARD, progress: bool = False) -> None:
-        self.model, self.layers, self.recipe, self.method, self.seed = model, layers, recipe, method, seed
-        self.builder, self.originals = builder, [attn for _, attn in layers]
+                 seed: int = 0, rotary: bool = False, progress: bool = False) -> None:
+        self.model, self.layers, self.recipe, self.seed = model, layers, recipe, seed
+        self.originals = [attn for _, attn in layers]
         self.bf16 = bf16_of(recipe, model)
         self.objective = objective_for(model)  # what the candidates are scored and refined on (``objective.py``)
         self.store = state.Store(state.fingerprint(model, images, {**recipe.__dict__, "bf16": self.bf16,
-                                                                   "objective": self.objective}, method, seed,
-                                                   type(builder.fit).__name__ if builder.fit else "standard",
+                                                                   "objective": self.objective}, seed,
+                                                   "rotary" if rotary else "standard",
                                                    computed_on(next(model.parameters()).device)))
         try:
             with self.store.use():
@@ -295,11 +257,12 @@ class RecipeRun:
         if weight == "balanced" and patches is None:
             weight = 1.0  # the rule needs the patch count; without it every token counts alike
         self.prefix_weight = prefix_weight_for(weight, prefix_tokens(model), patches)
+        self.starts = Starts(rotary, recipe.ridge, self.prefix_weight)
         self.progress, self.bar = progress, None  # progress bars
         self.calls: Optional[list] = None  # the blockwise refinement's cached tokens and sensitivities
         self.read_at: list[nn.Module] = self.originals  # the modules whose inputs and output sensitivities those are
         # (the attention layers; experiments/whole_block.py: their blocks)
-        self.keywords = builder.calls(model, layers, images) if builder.calls else [{} for _ in layers]
+        self.ropes = self.starts.ropes(model, layers, images)  # each layer's (rotary; None: standard)
         self.measured: list[Candidate] = []  # every candidate scored so far (``measure``)
 
     def install(self, fits: list[LayerFit]) -> None:
@@ -309,8 +272,8 @@ class RecipeRun:
     def measure(self, candidate: Candidate) -> Candidate:
         """``candidate`` installed and scored on the held-out images as they are: the objective's score of each image
         (``self.objective``), and the mean over the images (of a feature model also the mean cosine). A candidate whose
-        layers are those of one measured before (rotary layers at light compression: the weight-only fit is the
-        selection, ``rotary_fit.weight_only``) takes its scores, not another pass."""
+        layers are those of one measured before (rotary layers at full rank: the weight-only fit and the selection are
+        the exact layer) takes its scores, not another pass."""
         self.install(candidate.fits)
         twin = next((c for c in self.measured if same_layers(c.fits, candidate.fits)), None)
         if twin is not None:
@@ -326,19 +289,10 @@ class RecipeRun:
         return candidate
 
     def fit_start(self, name: str, dims: list[int]) -> Candidate:
-        """The closed-form candidate ``name`` (``Builder.starts``) at ``dims``, measured."""
-        fit_layer, sides_of = self.builder.fit or fit_attention, self.builder.sides or whitening
-        extra = dict(self.builder.extra).get(name)
-        options = dict(seed=self.seed)
+        """The closed-form candidate ``name`` (``Starts.names``) at ``dims``, measured."""
         fits = []
-        for (_, attn), rank, moments, keywords in zip(self.layers, dims, self.source.moments, self.keywords):
-            if extra is not None:
-                fits.append(extra(attn, rank, **keywords))
-            elif name == "weight":
-                fits.append(self.builder.weight_only(attn, rank, self.method, keywords, seed=self.seed))
-            else:
-                sides = sides_of(moments, self.recipe.ridge, self.prefix_weight) if name == "whitened" else None
-                fits.append(fit_layer(attn, rank, self.method, sides, **options))
+        for (_, attn), rank, moments, rope in zip(self.layers, dims, self.source.moments, self.ropes):
+            fits.append(self.starts.fit(name, attn, rank, moments, rope))
             if self.bar is not None:
                 self.bar.update()
         return self.measure(Candidate(name, fits))
@@ -346,7 +300,7 @@ class RecipeRun:
     def tensor_errors(self, fits: list[LayerFit]) -> None:
         """Each refined fit's tensor error against its source layer."""
         for (_, attn), f in zip(self.layers, fits):
-            f.tensor_error = (self.builder.tensor_error or tensor_error)(attn, f.layer)
+            f.tensor_error = self.starts.tensor_error(attn, f.layer)
 
     def cached_calls(self, every_layer: bool = False) -> list:
         """The source layers' sensitivities on the refinement's inputs and the first layer's tokens (the others are
@@ -496,8 +450,8 @@ def choose(pool: Sequence[Candidate], confidence: float, seed: int) -> tuple[Can
     return (min(resolved, key=lambda c: c.held_kl) if resolved else reference), verdicts
 
 
-def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], method: str, images: Pending,
-               effort: str, seed: int, progress: bool, recipe: Recipe, builder: Builder = STANDARD
+def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list[int], images: Pending, effort: str,
+               seed: int, progress: bool, recipe: Recipe, rotary: bool = False
                ) -> tuple[list[LayerFit], list[Optional[tuple[Tensor, dict]]], dict]:
     """Fit, refine and measure the candidates at ``dims`` (one key dim per layer: ``dims.layer_dims``); swap the one
     ``choose`` keeps into ``model``; the cost line (``plan``) is printed before ``images`` are read whole (from their
@@ -508,11 +462,11 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list
     kinds = {c.split("+")[1] for c in pinned if "+" in c} if pinned is not None else {EFFORTS[effort]} - {""}
     fit = split(images.count, recipe.holdout)
     steps = {kind: refine_steps(recipe, effort if effort in PASSES else "default", fit) for kind in kinds}
-    planned = plan(model, layers, images.first, recipe, steps.get("blocks", 0), len(builder.starts),
+    planned = plan(model, layers, images.first, recipe, steps.get("blocks", 0), len(STARTS) + rotary,
                    images.count)  # refused if too big
     if progress:
         print(planned.line(), flush=True)
-    run = RecipeRun(model, layers, images.read(), recipe, method, seed, builder, progress)
+    run = RecipeRun(model, layers, images.read(), recipe, seed, rotary, progress)
     try:
         return run_candidates(run, dims, effort, steps, pinned)
     except BaseException:  # the scratch files go; the committed layers stay for the same command run again
@@ -523,8 +477,8 @@ def calibrated(model: nn.Module, layers: list[tuple[str, Attention]], dims: list
 def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str, int],
                    pinned: Optional[list[str]]) -> tuple[list[LayerFit], list[Optional[tuple[Tensor, dict]]], dict]:
     """``calibrated``'s candidates fitted, refined, measured and chosen on ``run``."""
-    builder, layers, method, recipe, seed = run.builder, run.layers, run.method, run.recipe, run.seed
-    starts = [s for s in builder.starts if pinned is None or any(c.split("+")[0] == s for c in pinned)]
+    layers, recipe, seed = run.layers, run.recipe, run.seed
+    starts = [s for s in run.starts.names if pinned is None or any(c.split("+")[0] == s for c in pinned)]
     run.bar = console.progress(len(layers) * len(starts), "closed-form candidates (layers)", run.progress)
     with torch.autocast(next(run.model.parameters()).device.type, enabled=False):  # fits, refinement and measures
         found = {name: run.fit_start(name, dims) for name in starts}  # at full precision
@@ -538,7 +492,8 @@ def run_candidates(run: RecipeRun, dims: list[int], effort: str, steps: dict[str
     best, verdicts = choose([found[c] for c in pinned] if pinned is not None else list(found.values()),
                             recipe.confidence, seed)
     run.finish(best)
-    held = [None if t is None else (t, keywords) for t, keywords in zip(run.source.held_tokens, run.keywords)]
+    held = [None if t is None else (t, {} if rope is None else {"rope": rope})
+            for t, rope in zip(run.source.held_tokens, run.ropes)]
     return best.fits, held, summarize(run, found, best, verdicts, effort,
                                                               steps[refined[0].split("+")[1]] if refined else 0)
 

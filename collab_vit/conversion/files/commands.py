@@ -323,7 +323,7 @@ def convert_to_file(model_name: Optional[str], key_dim: KeyDimSpec, out: Path,
     if calibration is not None:
         state.expect_output(*output_files(model, key_dim, kind))  # counted in the disk check before the first image
         options["calibration"] = calibration(model, meta)
-    reports = convert_model(model, key_dim, "tucker", options.get("calibration"), options.get("effort", "default"),
+    reports = convert_model(model, key_dim, options.get("calibration"), options.get("effort", "default"),
                             seed, options.get("progress", True), options.get("recipe") or Recipe())
     info = {"source": checkpoint or model_name, "method": "tucker", "seed": seed,
             "layers": [r.as_dict() for r in reports], "kept": support.kept}

@@ -35,8 +35,8 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from ... import _version
 from ...layers.attention import CollaborativeAttention
 from ...weights_io import atomic_write, safetensors_writer
-from ..weights.fit import METHODS
-from ..calibration.recipe import STANDARD
+from ..weights.convert import convert_layer
+from ..weights.decompose import tucker_decompose
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 
@@ -47,8 +47,8 @@ _conversion: ContextVar[tuple[str, dict[str, Any]]] = ContextVar("collab_vit_con
 def conversion(method: str, **options: Any) -> Iterator[None]:
     """Use ``method`` ("tucker", "cp" or "parafac") and its decomposition ``options`` (``seed, max_iter, tol, dtype``) when
     ``collab_filter_fn`` converts standard weights in this block."""
-    if method not in METHODS:
-        raise ValueError(f"conversion_method must be one of {tuple(METHODS)}, got {method!r}")
+    if method != "tucker":
+        raise ValueError(f"conversion_method must be 'tucker', got {method!r}")
     token = _conversion.set((method, dict(options)))
     try:
         yield
@@ -72,7 +72,7 @@ def cache_dir() -> Path:
 def decomposition_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` the decomposition takes, with its defaults filled in (so that passing a default, or an option the
     method does not take such as tucker's seed, changes no cache key)."""
-    parameters = inspect.signature(METHODS[method]).parameters.values()
+    parameters = inspect.signature(tucker_decompose).parameters.values()
     defaults = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
     return {**defaults, **{k: v for k, v in options.items() if k != "seed" or k in defaults}}
 
@@ -169,7 +169,7 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
         dim = state_dict[prefix + "qkv.weight"].shape[1]
         attn = Attention(dim, target.num_heads, qkv_bias=prefix + "qkv.bias" in state_dict)
         attn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        layer = STANDARD.weight_only(attn, target.key_dim, method, **options).layer
+        layer = convert_layer(attn, target.key_dim, **{k: v for k, v in options.items() if k != "seed"}).layer
         for key in [k for k in converted if k.startswith(prefix)]:
             del converted[key]
         converted.update({prefix + k: v for k, v in layer.state_dict().items()})

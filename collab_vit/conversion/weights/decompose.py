@@ -15,14 +15,11 @@ The tensor is never formed: every slice is a product of two ``D x dh`` matrices,
 (MTTKRP, Gram matrices, mode projections) cost ``O(Nh * D * dh * R)`` and use a handful of GEMMs with the
 concatenated factors ``Wq = [wq_0 .. wq_{Nh-1}]`` (``D x Nh*dh``). ``dense_tensor`` exists for tests only.
 
-Two routes, both ending in a ``Decomposition``:
-
-* ``cp_decompose``: CP-ALS on the full factored tensor.
-* ``tucker_decompose``: compress-then-decompose. ``Uq, Uk`` span the leading ``R``-dim query / key subspaces,
+The route (``tucker_decompose``, ending in a ``Decomposition``) is compress-then-decompose: ``Uq, Uk`` span the leading ``R``-dim query / key subspaces,
   the core ``G[i] = Uq^T T[i] Uk`` (kept factored as ``(Uq^T wq_i)(Uk^T wk_i)^T``) gets a rank-``R`` CP,
   and ``W~q = Uq A``, ``W~k = Uk B``, ``M = C``; the last 5 sweeps run on the full factored tensor.
 
-Both start from the better of a head-wise SVD start and a GEVD (Jennrich) start of the Tucker core (the latter
+It starts from the better of a head-wise SVD start and a GEVD (Jennrich) start of the Tucker core (the latter
 recovers a planted CP of any rank ``r <= R`` to ~eps, zero-padding the ``R - r`` spare components), use Bro's
 line search after each sweep, and with the default float64 run their sweeps in float32 until the relative
 error drops below 1e-2. The error of the result is always re-evaluated in float64 on the returned factors.
@@ -47,9 +44,7 @@ __all__ = [
     "split_qkv_heads",
     "dense_tensor",
     "exact_decomposition",
-    "cp_decompose",
     "tucker_decompose",
-    "parafac_decompose",
     "relative_error",
     "energy_spectrum",
     "rank_for_energy",
@@ -444,74 +439,11 @@ def _pick(wq: Tensor, wk: Tensor, starts: list, normsq: float, outside: float = 
     starts = [s for s in starts if s is not None]
     return min(starts, key=lambda s: _als(wq, wk, s[0], s[1], 0, 1.0, normsq, outside)[4])
 
-def _random_start(wq: Tensor, wk: Tensor, rank: int, seed: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    d = wq.shape[1]
-    q = torch.randn(d, rank, generator=gen, dtype=torch.float64)
-    k = torch.randn(d, rank, generator=gen, dtype=torch.float64)
-    return q.to(wq), k.to(wk)
-
-
 def _result(
     wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, mixing: Tensor, iterations: int, out_dtype: torch.dtype
 ) -> Decomposition:
     query, key, mixing = (x.to(out_dtype) for x in _finalise(query, key, mixing))
     return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), iterations)
-
-
-@torch.no_grad()
-def cp_decompose(
-    wq: Tensor,
-    wk: Tensor,
-    rank: int,
-    *,
-    max_iter: int = 100,
-    tol: float = 1e-6,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-    init: str = "svd",
-) -> Decomposition:
-    """Rank-``rank`` CP decomposition of ``T[i] = wq[i] wk[i]^T`` by ALS (section 3.3), never forming T.
-
-    Args:
-        wq: Per-head query factors, shape (Nh, D, dh).
-        wk: Per-head key factors, same shape.
-        rank: Collaborative key/query dim ``D~k``. ``rank >= Nh*dh`` returns ``exact_decomposition``.
-        max_iter: Maximum ALS sweeps.
-        tol: Stop when the relative change of the relative error between sweeps is below ``tol``.
-        seed: Seed of the random start (``init="random"``).
-        dtype: Compute dtype; the factors are returned in the dtype of ``wq``. With float64 the sweeps run in
-            float32 while the relative error is above 1e-2 (half the cost at the same fit,
-            ``benchmarks/decompose_notes.md``) and in float64 below it.
-        init: ``"svd"``: the better (after solving for the mixing) of the head-wise start (the ``rank`` largest
-            singular triplets over all slices ``T_i``, one-hot mixing) and the GEVD start of the Tucker core,
-            which recovers an exact CP of rank <= ``rank``. ``"random"``: Gaussian query/key. The mixing is then
-            solved by least squares.
-
-    Returns:
-        The decomposition; ``relative_error`` is that of the returned (cast) factors.
-    """
-    _check_factors(wq, wk)
-    _check_rank(rank)
-    _check_als_args(max_iter, tol, dtype)
-    if init not in ("svd", "random"):
-        raise ValueError(f"init must be 'svd' or 'random', got {init!r}")
-    nh, _, dh = wq.shape
-    if rank >= nh * dh:
-        return exact_decomposition(wq, wk, rank)
-    a, b = wq.to(dtype), wk.to(dtype)
-    normsq = float(_total_normsq(a, b))
-    if init == "svd":
-        uq, uk, ca, cb, p = _core(a, b, rank)
-        starts = [_headwise_start(a, b, rank)]
-        gevd = _gevd_start(ca, cb, rank, p)
-        if gevd is not None:
-            starts.append((uq @ gevd[0], uk @ gevd[1]))
-        q0, k0 = _pick(a, b, starts, normsq)
-    else:
-        q0, k0 = _random_start(a, b, rank, seed)
-    query, key, mixing, it, _ = _mixed_als(a, b, q0, k0, max_iter, tol, normsq)
-    return _result(wq, wk, query, key, mixing, it, wq.dtype)
 
 
 @torch.no_grad()
@@ -528,13 +460,14 @@ def tucker_decompose(
 
     ``Uq, Uk`` are the leading ``R`` left singular vectors of the query- and key-mode unfoldings of T (computed
     from the factors), the core ``G[i] = Uq^T T[i] Uk = (Uq^T wq_i)(Uk^T wk_i)^T`` stays factored, its CP
-    ``(A, B, C)`` comes from the same ALS as ``cp_decompose`` in R dims, and ``W~q = Uq A``, ``W~k = Uk B``,
+    ``(A, B, C)`` comes from an ALS in R dims (``_mixed_als``), and ``W~q = Uq A``, ``W~k = Uk B``,
     ``M = C``. The last ``min(5, max_iter // 2)`` of the ``max_iter`` sweeps run on the full factored tensor
-    (as ``cp_decompose``), so the factors may leave the Tucker subspaces; when the head-wise start of the full
+    (CP-ALS there), so the factors may leave the Tucker subspaces; when the head-wise start of the full
     tensor fits better than the core's CP, those sweeps also run from it and the better result is kept. A core
     sweep costs about half a full one at ``R = D / 2`` (the GEMMs are ``Nh*dh x R x R`` instead of
     ``Nh*dh x D x R``). The start is the better of the head-wise SVD start and the GEVD start of the core.
-    Arguments as ``cp_decompose`` (no seed: the route is deterministic).
+    ``max_iter``: ALS sweeps at most; ``tol``: stop when the relative error changes by less between sweeps;
+    ``dtype``: of the sweeps (float64: float32 sweeps while the error is above 1e-2). No seed: deterministic.
     """
     _check_factors(wq, wk)
     _check_rank(rank)
@@ -558,52 +491,6 @@ def tucker_decompose(
     fits = [_mixed_als(a, b, q, k, refine, tol, normsq) for q, k in starts]
     query, key, mixing, it_full, _ = min(fits, key=lambda fit: fit[4])
     return _result(wq, wk, query, key, mixing, it + it_full, wq.dtype)
-
-
-@torch.no_grad()
-def parafac_decompose(
-    wq: Tensor,
-    wk: Tensor,
-    rank: int,
-    *,
-    max_iter: int = 100,
-    tol: float = 1e-6,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-) -> Decomposition:
-    """The paper's own procedure (section 3.3), the reference for ``cp_decompose`` and ``tucker_decompose``.
-
-    Forms the dense tensor ``T[i] = wq[i] wk[i]^T`` (Nh x D x D) and runs tensorly's ``parafac(T, rank,
-    init="random", tol=tol, n_iter_max=max_iter, random_state=seed)`` (CP-ALS from a random start) with the pytorch
-    backend in ``dtype``. The CP weights tensorly returns are folded into the mixing matrix (the paper's code drops
-    them; they are 1 unless tensorly normalises), and the components are scaled and ordered as ``cp_decompose``'s
-    (same tensor, balanced factors). Memory and time grow with ``Nh * D^2 * rank``, far beyond
-    ``tucker_decompose``'s (timings: ``benchmarks/reparam.md``, ``benchmarks/decompose_notes.md``).
-    """
-    import tensorly as tl
-    from tensorly.decomposition import parafac
-
-    _check_factors(wq, wk)
-    _check_rank(rank)
-    _check_als_args(max_iter, tol, dtype)
-    nh, _, dh = wq.shape
-    if rank >= nh * dh:
-        return exact_decomposition(wq, wk, rank)
-    previous = tl.get_backend()
-    tl.set_backend("pytorch")
-    try:
-        dense = dense_tensor(wq.to(dtype), wk.to(dtype))
-        (weights, (mixing, query, key)), errors = parafac(
-            dense, rank, init="random", tol=tol, n_iter_max=max_iter, random_state=seed, return_errors=True)
-    finally:
-        tl.set_backend(previous)
-    # tensorly leaves each component's scale spread arbitrarily over its three factors (measured on a trained layer:
-    # query entries ~8, mixing ~6e-4), which the layer computes the same but AdamW fine-tunes badly (an update of
-    # ~lr per step is huge next to 6e-4): rescale as cp/tucker do. The tensor, and so the layer, are unchanged.
-    query, key, mixing = _finalise(query, key, mixing * weights)
-    out = wq.dtype
-    query, key, mixing = query.to(out), key.to(out), mixing.to(out)
-    return Decomposition(query, key, mixing, relative_error(wq, wk, query, key, mixing), len(errors))
 
 
 # ---------------------------------------------------------------------------------------------------------------

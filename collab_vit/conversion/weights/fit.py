@@ -8,11 +8,10 @@ source (rotary layers' tensor error: ``rotary_fit.layer_error``).
 """
 from __future__ import annotations
 
-import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -21,21 +20,9 @@ from timm.layers import Attention
 from ...layers.attention import CollaborativeAttention
 from ...layers.construction import from_factors, not_convertible
 from .whitening import Whitening, whitened_decomposition
-from .decompose import (Decomposition, cp_decompose, exact_decomposition, parafac_decompose, relative_error,
-                        split_qkv_heads, tucker_decompose)
+from .decompose import Decomposition, exact_decomposition, relative_error, split_qkv_heads, tucker_decompose
 from .forms import keeps_form
 from .support import attention_reason
-
-# "tucker" and "cp" never form the dense tensor; "parafac" is the paper's procedure (tensorly on the dense tensor).
-METHODS: dict[str, Callable[..., Decomposition]] = {"tucker": tucker_decompose, "cp": cp_decompose,
-                                                    "parafac": parafac_decompose}
-
-
-def check_method(method: object) -> str:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-    return str(method)
-
 
 def layer_from_decomposition(attn: Attention, decomposition: Decomposition) -> CollaborativeAttention:
     """The collaborative layer of ``attn`` with ``W~q, W~k, M`` from ``decomposition`` (section 3.3), built by
@@ -61,11 +48,11 @@ def head_factors(attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @keeps_form
-def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
-                  sides: Optional[tuple[Whitening, Whitening]] = None, **options) -> LayerFit:
-    """``attn`` at ``key_dim``: a ``method`` decomposition (``options``: ``seed, max_iter, tol, dtype``) of its forms,
-    whitened by ``sides`` (``whitening.whitening``) when given; exact at ``key_dim >= heads x head_dim``."""
-    check_method(method)
+def fit_attention(attn: Attention, key_dim: int, sides: Optional[tuple[Whitening, Whitening]] = None,
+                  **options) -> LayerFit:
+    """``attn`` at ``key_dim``: the Tucker decomposition (``decompose.tucker_decompose``, deterministic; ``options``:
+    ``max_iter, tol, dtype``) of its forms, whitened by ``sides`` (``whitening.whitening``) when given; exact at
+    ``key_dim >= heads x head_dim``."""
     why = attention_reason(attn) if isinstance(attn, Attention) else "not a timm Attention"
     if why is not None:  # before the decomposition
         raise not_convertible(attn, why)
@@ -75,14 +62,11 @@ def fit_attention(attn: Attention, key_dim: int, method: str = "tucker",
         return LayerFit(layer_from_decomposition(attn, exact_decomposition(wq, wk, key_dim)), key_dim, 0.0,
                         None if sides is None else 0.0, time.perf_counter() - began)
     whitened = None
-    decompose = METHODS[method]
-    if "seed" not in inspect.signature(decompose).parameters:  # tucker is deterministic: it takes no seed
-        options = {k: v for k, v in options.items() if k != "seed"}
     with single_thread():
         if sides is None:
-            decomposition = decompose(wq, wk, key_dim, **options)
+            decomposition = tucker_decompose(wq, wk, key_dim, **options)
         else:
-            decomposition, whitened = whitened_decomposition(wq, wk, key_dim, sides, decompose, **options)
+            decomposition, whitened = whitened_decomposition(wq, wk, key_dim, sides, tucker_decompose, **options)
     return LayerFit(layer_from_decomposition(attn, decomposition), key_dim, decomposition.relative_error, whitened,
                     time.perf_counter() - began)
 

@@ -14,12 +14,11 @@ better is kept, so the error is non-increasing in ``R`` and never above keeping 
 The layer's ``key_dim / 2`` shared pairs are spread over the frequencies as "each head keeps its strongest pairs"
 spreads them by ``||T_ip||`` (``R_p`` = the number of heads that keep ``p``; ``selection_ranks``), and each
 frequency's fit at ``R_p`` starts from exactly that selection, so the fit contains it and never has a larger tensor
-error at equal q/k parameters. Its top-1 is another matter: at key dims of at least ``LIGHT`` of the layer's
-q/k dims the weight-only conversion is a selection (``weight_only``; ``LIGHT = 1``: never, RESULTS.md "The rotary
-weight-only rule"), each head keeping the pairs that give its logits most under the layer's rope, as the recipe's
-``"select"`` candidate does
+error at equal q/k parameters. Its top-1 is another matter: the calibrated recipe's ``"select"`` candidate
+(``selection_fit``) has each head keep the pairs that give its logits most under the layer's rope
 (``Frequencies.logit_energy``: a rotated key bias of a low frequency is nearly constant along a softmax row and
-cancels, which ``||T_ip||`` counts in full). The allocation that minimises the summed tensor error (dynamic
+cancels, which ``||T_ip||`` counts in full); as the weight-only conversion it lost to the fit at every share of the
+q/k dims measured (RESULTS.md "The rotary weight-only rule"), so the weight-only conversion is the fit. The allocation that minimises the summed tensor error (dynamic
 programming, ``allocation="optimal"``) has a lower tensor error and lost accuracy (RESULTS.md, rotary): the tensor
 error weighs every frequency's form alike, the logits do not; the calibrated recipe's whitened candidate, whose
 error stands for the logits' on the calibration tokens, takes the optimal allocation of its whitened error.
@@ -36,16 +35,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .whitening import TokenMoments, Whitening, whitener
-from .fit import LayerFit, output_error
-from .rotary import is_rotary, layer_calls, projections, rotary_layer, rotary_like, \
+from .whitening import Whitening
+from .fit import LayerFit
+from .rotary import is_rotary, projections, rotary_layer, rotary_like, \
     shared_order
 
 MAX_ITER, TOL = 100, 1e-10  # ALS sweeps per start; stop when the squared error improves by less (relative)
-LIGHT = 1.0  # key dims of at least this share of a layer's q/k dims: weight-only keeps each head's strongest
-# pairs (``selection_layer``); 1: never, the per-frequency fit everywhere. RESULTS.md "The rotary weight-only rule"
-# (results/rotary_ranking, four RoPE-ViT sources, two of 15 epochs): at 56 of 64 q/k dims the selection ranked by
-# ``logit_energy`` was up to 0.21 below the fit, so no share keeps it within 0.1 of the fit, each source left out
 
 
 @dataclass
@@ -332,16 +327,6 @@ def selection_fit(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) 
     return LayerFit(layer, key_dim, layer_error(attn, layer), None, time.perf_counter() - began)
 
 
-def weight_only(attn: nn.Module, key_dim: int, rope: Optional[Tensor] = None) -> LayerFit:
-    """The weight-only conversion of one rotary layer: at key dims of at least ``LIGHT`` of its q/k dims (below full
-    rank) each head keeps its strongest pairs under ``rope`` (``selection_fit``); else the per-frequency fit
-    (``fit_rotary``)."""
-    full = full_rank(attn)
-    if LIGHT * full <= key_dim < full:
-        return selection_fit(attn, key_dim, rope)
-    return fit_rotary(attn, key_dim)
-
-
 def layer_error(attn: nn.Module, layer: nn.Module) -> float:
     """``sqrt(sum_ip ||T_ip - T~_ip||^2 / sum_ip ||T_ip||^2)`` of a rotary layer (e.g. refined) against its source."""
     freqs = frequencies(attn)
@@ -381,28 +366,8 @@ def fit_rotary(attn: nn.Module, key_dim: int, sides: Optional[tuple[Whitening, W
     return LayerFit(layer, key_dim, layer_error(attn, layer), white, time.perf_counter() - began)
 
 
-def rotary_sides(moments: TokenMoments, ridge: float, prefix_weight: float) -> tuple[Whitening, Whitening]:
-    """Whitenings of a rotary layer's tokens: both sides uncentred (a rotated constant is no constant along a softmax
-    row), the query side with the prefix tokens weighted."""
-    if moments.tokens == 0:
-        raise ValueError("no calibration tokens were seen")
-    return (whitener(moments.weighted_query(prefix_weight), moments.tokens, ridge),
-            whitener(moments.query, moments.tokens, ridge))
-
-
-def candidate_fit(attn: nn.Module, key_dim: int, method: str, sides: Optional[tuple[Whitening, Whitening]] = None,
-                  **options) -> LayerFit:
-    """``recipe.fit_attention`` for a rotary layer (``method`` and the seed unused: the fit is deterministic)."""
-    return fit_rotary(attn, key_dim, sides, options.get("max_iter", MAX_ITER))
-
-
 def only_rotary(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
     """A one-line refusal for a model with standard attention beside its rotary layers."""
     standard = [name for name, attn in layers if not is_rotary(attn, model)]
     if standard:
         raise ValueError(f"{standard[0]} is standard attention beside rotary layers: converting both is not covered")
-
-
-def layer_ropes(model: nn.Module, layers: list[tuple[str, nn.Module]], images: Tensor) -> list[dict[str, Tensor]]:
-    """The rope each layer is called with on the first of ``images`` (``Builder.calls``: it ranks the selection)."""
-    return [{"rope": call[1].get("rope")} for call in layer_calls(model, layers, images[:1])]
