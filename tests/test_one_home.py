@@ -72,7 +72,7 @@ def test_written_once(pattern, home):
     (r'\w*dims?\w* % 2\b', 'conversion/weights/dims.py'),  # even key dims of rotary layers: dims.layer_dims
     (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/weights/dims.py'),  # one key dim for every layer
     # key-dim specs
-    (r'startswith\(["\']budget=|entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
+    (r'entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
     (r'fit_attention\)?\([^)]*, None\b', 'conversion/calibration/recipe.py'),  # a weight-only fit: Builder.weight_only
 ])
 def test_conversion_concepts_computed_once(pattern, home):

@@ -270,7 +270,7 @@ REFUSALS = {  # label -> (timm name, keywords over vit_family.SMALL, key_dim, wh
                                                              "got 65 for blocks.0.attn"),
     "an odd key dim below full rank": ("vit_small_patch16_dinov3", {}, 31, "rotary attention needs an even key_dim "
                                                                            "(pairs of dims), got 31"),
-    "a budget (removed)": ("eva02_tiny_patch14_224", {}, "budget=0.25", "budget key dims were removed"),
+    "a string key dim": ("eva02_tiny_patch14_224", {}, "budget=0.25", "key_dim must be an int, a list of ints"),
 }
 
 

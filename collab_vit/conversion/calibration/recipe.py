@@ -32,7 +32,6 @@ from ... import console
 from ...checks import is_integer, positive_int
 from ...layers.construction import replace_submodule
 from ..weights.whitening import DEFAULT_RIDGE, prefix_weight_for, whitening
-from ..weights.dims import REMOVED
 from .capture import Pending, model_outputs, prefix_tokens, source_tokens, tensor_bytes
 from ..weights.fit import LayerFit, fit_attention, tensor_error
 from ..weights import rotary_fit
@@ -59,8 +58,6 @@ STARTS = ("weight", "whitened")
 
 
 def check_effort(effort: object) -> str:
-    if effort == "thorough":
-        raise ValueError(REMOVED["thorough"])
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {tuple(EFFORTS)}, got {effort!r}")
     return str(effort)

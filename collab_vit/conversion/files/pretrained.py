@@ -40,16 +40,14 @@ from ..calibration.recipe import STANDARD
 
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 
-_conversion: ContextVar[tuple[str, dict[str, Any]]] = ContextVar("collab_vit_conversion", default=("tucker", {}))
+_conversion: ContextVar[dict[str, Any]] = ContextVar("collab_vit_conversion", default={})
 
 
 @contextmanager
-def conversion(method: str, **options: Any) -> Iterator[None]:
-    """Use ``method`` ("tucker", "cp" or "parafac") and its decomposition ``options`` (``seed, max_iter, tol, dtype``) when
-    ``collab_filter_fn`` converts standard weights in this block."""
-    if method not in METHODS:
-        raise ValueError(f"conversion_method must be one of {tuple(METHODS)}, got {method!r}")
-    token = _conversion.set((method, dict(options)))
+def conversion(**options: Any) -> Iterator[None]:
+    """Use the Tucker decomposition's ``options`` (``seed, max_iter, tol, dtype``) when ``collab_filter_fn`` converts
+    standard weights in this block."""
+    token = _conversion.set(dict(options))
     try:
         yield
     finally:
@@ -182,7 +180,7 @@ def collab_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, 
     state_dict = checkpoint_filter_fn(state_dict, model)
     if not any(k.endswith("attn.qkv.weight") for k in state_dict):
         return state_dict
-    method, options = _conversion.get()
+    method, options = "tucker", _conversion.get()
     digest, described = cache_key(state_dict, model, method, options)
 
     def convert() -> dict[str, torch.Tensor]:
