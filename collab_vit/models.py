@@ -44,7 +44,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrai
 
 from .conversion.files.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 from .conversion.files.record import COLLABORATIVE_NAMES, CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
-from .checks import positive_int
+from .checks import positive_ints
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class, per_block_attention_class
 from .layers.weight_decay import CollabVisionTransformer
 from .weights_io import EVAL_KEYS, safetensors_metadata
@@ -216,12 +216,12 @@ def _create(
                          f"key_dim={key_dim}")
     options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
-    if isinstance(key_dim, (list, tuple)):
-        dims = tuple(positive_int(k, "key_dim") for k in key_dim)
-        attn_layer = per_block_attention_class(attn_base, dims, mixing_init)
+    dims = kwargs.get("embed_dim", 768) if key_dim is None else positive_ints(
+        key_dim, "key_dim", "a positive integer or a list of them (one per block)")
+    if isinstance(dims, list):
+        attn_layer = per_block_attention_class(attn_base, tuple(dims), mixing_init)
     else:
-        dim = kwargs.get("embed_dim", 768) if key_dim is None else positive_int(key_dim, "key_dim")
-        attn_layer = attention_class(attn_base, dim, mixing_init)
+        attn_layer = attention_class(attn_base, dims, mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
     with conversion(**options):
         model = build_model_with_cfg(

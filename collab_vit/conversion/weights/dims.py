@@ -10,20 +10,17 @@ from typing import Optional, Sequence, Union
 
 import torch.nn as nn
 
-from ...checks import is_integer, positive_int
+from ...checks import positive_ints
 from ...layers.construction import full_rank
 
 KeyDimSpec = Union[None, int, Sequence[int]]
+
 
 def check_spec(spec: object) -> KeyDimSpec:
     """``spec`` as None, a positive int or a list of them."""
     if spec is None:
         return None
-    if isinstance(spec, (list, tuple)):
-        return [positive_int(k, "key_dim") for k in spec]
-    if is_integer(spec):
-        return positive_int(spec, "key_dim")
-    raise ValueError(f"key_dim must be an int, a list of ints (one per attention layer) or None, got {spec!r}")
+    return positive_ints(spec, "key_dim", "an int, a list of ints (one per attention layer) or None")
 
 
 def layer_dims(spec: KeyDimSpec, layers: Sequence[tuple[str, nn.Module]], even: bool = False,
