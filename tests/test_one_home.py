@@ -2,7 +2,7 @@
 convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
 conversion give alike, the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``,
 ``weights_io.one_line``, the model-name scheme and a layer's key dim in ``models.py``), and the conversion's concepts
-(issue 54: one weight-only conversion, one key-dim resolver, one output error, one tensor error, one per-image KL)."""
+(one weight-only conversion, one key-dim resolver, one output error, one tensor error, one per-image KL)."""
 import os
 import re
 import signal
@@ -108,7 +108,7 @@ def test_one_check_for_a_positive_int_or_a_list_of_them():
     (r'fit_attention\)?\([^)]*, None\b', 'conversion/calibration/recipe.py'),  # a weight-only fit: Builder.weight_only
 ])
 def test_conversion_concepts_computed_once(pattern, home):
-    """Issue 54: each of these is computed in its home module of ``conversion/`` only (found by what the code
+    """Each of these is computed in its home module of ``conversion/`` only (found by what the code
     computes, not by a function's name): the conversion paths call the one function."""
     assert not [where for where in written_outside(pattern, home) if where.startswith('conversion/')]
     assert any(where.startswith(home + ':') for where in written_outside(pattern, '')), 'the pattern finds nothing'

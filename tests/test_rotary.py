@@ -1,7 +1,7 @@
-"""Rotary attention (issue 33): the collaborative rotary layer computes the logits of timm's ``AttentionRope`` /
-``EvaAttention`` (both rope layouts, prefix tokens unrotated, q/k biases in the shared projections, both routes);
-every rotary family timm registers converts exactly at full rank and reloads bit-identically from its hub folder;
-odd key dims, mixed rope and qk_norm are refused in one line with the model untouched (compression:
+"""Rotary attention (RESULTS.md, "Rotary models"): the collaborative rotary layer computes the logits of timm's
+``AttentionRope`` / ``EvaAttention`` (both rope layouts, prefix tokens unrotated, q/k biases in the shared projections,
+both routes); every rotary family timm registers converts exactly at full rank and reloads bit-identically from its hub
+folder; odd key dims, mixed rope and qk_norm are refused in one line with the model untouched (compression:
 test_rotary_compress.py)."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Compression of rotary attention per frequency (issue 33, conversion/weights/rotary_fit.py): at full rank the fit is
-the exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and never above keeping
-each head's strongest pairs at equal q/k parameters; the
-calibrated recipe runs its candidates on rotary layers and keeps weight-only unless another is better on held-out
-images; a compressed model reloads bit-identically from its hub folder."""
+"""Compression of rotary attention per frequency (RESULTS.md, "Rotary models"; conversion/weights/rotary_fit.py): at
+full rank the fit is the exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and
+never above keeping each head's strongest pairs at equal q/k parameters; the calibrated recipe runs its candidates on
+rotary layers and keeps weight-only unless another is better on held-out images; a compressed model reloads
+bit-identically from its hub folder."""
 from __future__ import annotations
 
 import copy
@@ -136,8 +136,9 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
 
 
 def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
-    """Issue 40 item 4: each head keeping its strongest pairs (``selection_layer``) is measured beside the fits; pinned,
-    the model holds exactly that layer (its pairs and the source's frequencies), exact at full rank."""
+    """The selection candidate (RESULTS.md, "Compressed: calibration at 3/4 and 1/2 of the q/k dims"): each head keeping
+    its strongest pairs (``selection_layer``) is measured beside the fits; pinned, the model holds exactly that layer
+    (its pairs and the source's frequencies), exact at full rank."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
@@ -158,8 +159,9 @@ def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
 
 def test_a_candidate_equal_to_one_measured_is_not_measured_again(monkeypatch) -> None:
     """Where the weight-only fit is the selection (``rotary_fit.weight_only`` with ``LIGHT`` at half; the package's
-    ``LIGHT = 1`` never takes it since issue 54) the recipe scores that model once on the held-out images and both
-    candidates carry its scores (the whitened fit, another model, is scored); the model kept is the one scored."""
+    ``LIGHT = 1`` never takes it since the rotary weight-only rule) the recipe scores that model once on the held-out
+    images and both candidates carry its scores (the whitened fit, another model, is scored); the model kept is the one
+    scored."""
     from collab_vit.conversion.calibration import recipe as recipe_module
 
     monkeypatch.setattr(rotary_fit, "LIGHT", 0.5)
@@ -219,10 +221,10 @@ def selected(model: nn.Module, key_dim: int) -> nn.Module:
 
 
 def test_weight_only_is_the_per_frequency_fit_at_every_key_dim(tmp_path: Path, monkeypatch) -> None:
-    """Issue 54 item 4 (``LIGHT = 1``): at every key dim below full rank the weight-only conversion is the
-    per-frequency fit, not each head keeping its strongest pairs (``selection_layer``, ranked under each layer's rope,
-    which it was from half the q/k dims before, issue 40, and is again with ``LIGHT`` at half); the calibrated
-    recipe's weight-only candidate is the weight-only conversion."""
+    """The rotary weight-only rule (RESULTS.md, "The rotary weight-only rule"; ``LIGHT = 1``): at every key dim below
+    full rank the weight-only conversion is the per-frequency fit, not each head keeping its strongest pairs
+    (``selection_layer``, ranked under each layer's rope, which it was from half the q/k dims before that rule, and is
+    again with ``LIGHT`` at half); the calibrated recipe's weight-only candidate is the weight-only conversion."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     full = rotary_fit.full_rank(model.blocks[0].attn)
@@ -269,10 +271,11 @@ def centred_logit_change(layer: nn.Module, reference: nn.Module, x: torch.Tensor
 
 
 def test_selection_keeps_the_pair_that_gives_the_logits_most() -> None:
-    """Issue 54 item 4: a pair whose appended-bias norm ``||[Wq | bq]|| ||[Wk | bk]||`` is largest but whose key bias
-    barely turns along a row (low frequency) changes the logits less than a bias-free pair of smaller norm; the
-    selection ranks by ``logit_energy`` under the layer's rope and keeps the pair the layer's logits on random tokens
-    say, where the ranking by the appended-bias norm keeps the other."""
+    """The selection's ranking (RESULTS.md, "The rotary weight-only rule"): a pair whose appended-bias norm
+    ``||[Wq | bq]|| ||[Wk | bk]||`` is largest but whose key bias barely turns along a row (low frequency) changes the
+    logits less than a bias-free pair of smaller norm; the selection ranks by ``logit_energy`` under the layer's rope
+    and keeps the pair the layer's logits on random tokens say, where the ranking by the appended-bias norm keeps the
+    other."""
     attn, rope = planted_low_frequency_key_bias()
     x = torch.randn(8, 17, 16, generator=torch.Generator().manual_seed(2))
     exact = rotary.rotary_layer(attn)
