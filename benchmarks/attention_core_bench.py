@@ -1,4 +1,4 @@
-"""Attention core and one attention layer, collaborative vs timm, CPU fp32 (issue #3; results in attention_notes.md).
+"""Attention core and one attention layer, collaborative vs timm, CPU fp32 (results in attention_notes.md).
 
 Core (B=16, Nh=12, N=197, value head dim 64, additive (B, Nh, 1, N) mask as the content bias makes it): forward and
 forward+backward of ``CollaborativeCore`` vs the previous path (SDPA on padded head dims under a recompute hook) vs
@@ -9,7 +9,8 @@ SDPA's math kernel vs timm's 64/64 SDPA, and the bytes autograd saves. Layer: on
     PYTHONPATH=. python benchmarks/attention_core_bench.py --choices --repeats 5   # the CPU heuristics' choices
 
 ``--choices`` times both sides of each CPU heuristic (``flash_pays``, ``CHUNK_BYTES``) at the sizes
-where it decides, so a threshold can be checked on another CPU (issue #17).
+where it decides, so a threshold can be checked on another CPU
+(attention_notes.md, "The CPU heuristics on a 2-core AMD EPYC").
 """
 import argparse
 import statistics

@@ -377,7 +377,7 @@ def throughput_section(device: torch.device, tiny: bool, quick: bool, batch: int
         report.append(f"| `{name}` | {r['infer']:.1f} | {r['infer'] / base['infer']:.3f} | {r['train']:.1f} | "
                       f"{r['train'] / base['train']:.3f} | {peak} |")
     if not tiny:
-        report += ["", "Targets (issue 13): training step collab/timm >= 1.0 at k192 and >= 0.9 at k384; peak memory "
+        report += ["", "Targets: training step collab/timm >= 1.0 at k192 and >= 0.9 at k384; peak memory "
                    "<= 1.05x timm at both.", ""]
         for name, (speed, memory) in TARGETS.items():
             r = results[name]

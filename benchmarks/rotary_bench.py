@@ -1,5 +1,5 @@
-"""Rotary conversion on the CPU (issue 33, item 4(d)): seconds to convert a DINOv3-B-sized model weight-only beside
-DeiT-B's at the same key dim, and each converted model's inference throughput beside its source's.
+"""Rotary conversion on the CPU (RESULTS.md, "Rotary models"): seconds to convert a DINOv3-B-sized model weight-only
+beside DeiT-B's at the same key dim, and each converted model's inference throughput beside its source's.
 
 Random weights (timm's init; the hub is not needed). Both convert at full rank (key dim 768 = 12 heads x 64): the
 per-frequency compression of rotary attention is not merged, so full rank is the only key dim both take. Each timing
@@ -76,7 +76,7 @@ def report(conversion: dict[str, list[float]], rates: dict[int, dict[str, list[f
            sizes: dict[str, tuple]) -> str:
     """The markdown page: machine, conversion seconds, throughput per thread count."""
     ratio = statistics.median(conversion[SOURCES[0]]) / statistics.median(conversion[SOURCES[1]])
-    lines = ["# Rotary conversion and throughput on the CPU (issue 33, 4(d))", "",
+    lines = ["# Rotary conversion and throughput on the CPU", "",
              f"Measured {datetime.date.today().isoformat()} on {cpu_name()} (`benchmarks/rotary_bench.py`), torch "
              f"{torch.__version__}, timm {timm.__version__}. The machine was shared with other jobs (loaded): figures "
              f"are min and median over repeats, models interleaved. Random weights; both at key dim {KEY_DIM}, full "

@@ -9,7 +9,6 @@ whole-model re-parametrisation, pretrained weights, spectrum) <- ``models`` / ``
 """
 from ._version import __version__
 from .conversion import reparam
-from .conversion.weights.dims import removed_name
 from .conversion.reparam import reparametrize, reparametrize_attention
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class
 from .layers.rotary import CollaborativeAttentionRope, CollaborativeEvaAttention
@@ -21,7 +20,3 @@ from .hub import push_to_hf_hub, save_pretrained
 __all__ = ["CollaborativeAttention", "CollaborativeAttentionRope", "CollaborativeEvaAttention", "ConcatAttention",
            "attention_class", "reparametrize", "reparametrize_attention", "reparam", "COLLAB_MODELS", "CONCAT_MODELS",
            "ROPE_MODELS", "save_pretrained", "push_to_hf_hub", "exclude_mixing_from_decay"]
-
-
-def __getattr__(name: str) -> object:
-    raise removed_name(__name__, name)  # a removed public name says what replaced it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Union
 
 
 def is_integer(value: object) -> bool:
@@ -41,6 +42,18 @@ def positive_int(value: object, name: str) -> int:
     if not is_integer(value) or value <= 0:
         raise _refuse(name, "a positive integer", value)
     return int(value)
+
+
+def positive_ints(value: object, name: str, what: str = "a positive integer or a list of them"
+                  ) -> Union[int, list[int]]:
+    """``value`` as an ``int`` if it is an integer >= 1, as a list of ``int`` if it is a non-empty list or tuple of
+    them (one per layer or block: a key dim); an element that is not names itself (``positive_int``), any other value
+    is refused as not ``what``."""
+    if isinstance(value, (list, tuple)) and value:
+        return [positive_int(v, name) for v in value]
+    if is_integer(value):
+        return positive_int(value, name)
+    raise _refuse(name, what, value)
 
 
 def nonnegative_int(value: object, name: str) -> int:

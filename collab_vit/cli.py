@@ -15,7 +15,6 @@ import torch
 
 from .checks import fraction, integer, positive_int
 from .console import BAD_INPUT, fail, run_command
-from .conversion.weights.dims import REMOVED
 from .conversion.files.families import family_names_short
 from .conversion.calibration.capture import Pixels
 from .conversion.calibration.recipe import DEFAULT_IMAGES, EFFORTS, IMAGES, PASSES, check_effort
@@ -320,25 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-REMOVED_FLAGS = {"--method": "method"}  # flags that left the command: one line naming what replaced them
-
-
-def refuse(why: str) -> None:
-    raise ValueError(why)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry (``console.run_command``): bad input (any ValueError, OSError or RuntimeError) is one line,
     exit 2; a failed write (a full disk) or too little memory one line, exit 1; SIGINT / SIGTERM one line, exit 130 /
     143. A failure
     leaves as ``SystemExit`` (as argparse's own errors do)."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    removed = next((REMOVED[key] for arg in unknown for flag, key in REMOVED_FLAGS.items()
-                    if arg == flag or arg.startswith(flag + "=")), None)
-    if unknown and removed is None:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    code = run_command(lambda: refuse(removed) if removed else args.run(args), (ValueError, OSError, RuntimeError),
+    args = parser.parse_args(argv)
+    code = run_command(lambda: args.run(args), (ValueError, OSError, RuntimeError),
                        (WriteError, MemoryError), name=f"collab-vit {args.command}")
     if code:
         sys.exit(code)

@@ -20,7 +20,7 @@ timm's ``deit.py``:
 All are :class:`CollabVisionTransformer` (timm's ``VisionTransformer`` whose ``no_weight_decay()`` also names the
 mixing matrices, so that timm's ``create_optimizer_v2`` -- with or without ``layer_decay`` -- keeps them out of
 weight decay). With ``pretrained=True`` the ``.fb_in1k`` tags (every ``collab_deit_*`` name, the paper's grid too)
-load timm's DeiT weights and convert them on load (``conversion_method``); a file written by this package
+load timm's DeiT weights and convert them on load (``conversion_options``); a file written by this package
 (``pretrained_cfg_overlay=dict(file=...)``) supplies the architecture it records (key dims, sizes, classes, channels)
 and its evaluation pipeline unless the call overrides them.
 
@@ -44,8 +44,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrai
 
 from .conversion.files.pretrained import collab_filter_fn, conversion, converted_file_kwargs
 from .conversion.files.record import COLLABORATIVE_NAMES, CONVERTED_MODEL, LAYERS, SOURCE, swap_layers
-from .conversion.weights.dims import REMOVED
-from .checks import positive_int
+from .checks import positive_ints
 from .layers.attention import CollaborativeAttention, ConcatAttention, attention_class, per_block_attention_class
 from .layers.weight_decay import CollabVisionTransformer
 from .weights_io import EVAL_KEYS, safetensors_metadata
@@ -202,7 +201,7 @@ def _create(
 
     ``kwargs`` are timm's ``VisionTransformer`` arguments plus ``key_dim``, ``mixing_init`` (collaborative only),
     ``conversion_options`` (how ``pretrained`` standard-attention weights are converted by the Tucker fit of section 3.3:
-    ``max_iter``, ``tol``, ``dtype``); ``conversion_method`` accepts only its one value, "tucker".
+    ``max_iter``, ``tol``, ``dtype``).
     """
     file_read = kwargs.pop("file_read", False)  # collab_vit_generic read the file's keywords itself
     if pretrained:
@@ -215,19 +214,16 @@ def _create(
         parts = ModelName.parse(variant)
         raise ValueError(f"{variant} fixes key_dim={fixed_key_dim}; use {model_name(parts.size, parts.family)} for "
                          f"key_dim={key_dim}")
-    method = kwargs.pop("conversion_method", "tucker")
-    if method != "tucker":  # "cp" and "parafac" left the public surface (dims.REMOVED)
-        raise ValueError(f"conversion_method={method!r}: {REMOVED['method']}")
     options = kwargs.pop("conversion_options", None) or {}
     mixing_init = kwargs.pop("mixing_init", "concatenate") if attn_base is CollaborativeAttention else None
-    if isinstance(key_dim, (list, tuple)):
-        dims = tuple(positive_int(k, "key_dim") for k in key_dim)
-        attn_layer = per_block_attention_class(attn_base, dims, mixing_init)
+    dims = kwargs.get("embed_dim", 768) if key_dim is None else positive_ints(
+        key_dim, "key_dim", "a positive integer or a list of them (one per block)")
+    if isinstance(dims, list):
+        attn_layer = per_block_attention_class(attn_base, tuple(dims), mixing_init)
     else:
-        dim = kwargs.get("embed_dim", 768) if key_dim is None else positive_int(key_dim, "key_dim")
-        attn_layer = attention_class(attn_base, dim, mixing_init)
+        attn_layer = attention_class(attn_base, dims, mixing_init)
     out_indices = kwargs.pop("out_indices", 3)
-    with conversion(method, **options):
+    with conversion(**options):
         model = build_model_with_cfg(
             CollabVisionTransformer, variant, pretrained,
             pretrained_filter_fn=collab_filter_fn,

@@ -1,5 +1,5 @@
-"""Issue 40 item 2: the blockwise refinement (``conversion/calibration/blockwise.py``) against the end-to-end one,
-on top-1.
+"""The blockwise refinement (``conversion/calibration/blockwise.py``) against the end-to-end one,
+on top-1 (RESULTS_HISTORY.md, "Blockwise refinement").
 
     python experiments/blockwise.py --source runs/sources/e5-s2026/model.safetensors --name e5-s2026
 

@@ -1,4 +1,5 @@
-"""Issue 40 item 3: the blockwise default's constants chosen leave-one-source-out on top-1, over many sources.
+"""The blockwise default's constants chosen leave-one-source-out on top-1, over many sources (RESULTS.md, "The
+constants").
 
     python experiments/blockwise_loso.py grid --source runs/sources/e5-s0/model.safetensors --name e5-s0
     python experiments/blockwise_loso.py choose          # after the grid of every source
@@ -278,8 +279,9 @@ def report(results: Path) -> None:
 
 
 def package_default(images: int = IMAGES["full"]) -> Setting:
-    """The package's blockwise recipe these grids chose (``--effort full``: 16 passes; the default since issue 56
-    spends 8 passes on 640 images, ``experiments/fixed_compute.py``) as a setting, at ``images`` calibration images."""
+    """The package's blockwise recipe these grids chose (``--effort full``: 16 passes; the default at a fixed
+    compute spends 8 passes on 640 images, ``experiments/fixed_compute.py``) as a setting, at ``images`` calibration
+    images."""
     recipe = Recipe()
     return Setting(recipe.refine_lr, PASSES["full"], recipe.confidence, images - split(images, recipe.holdout))
 

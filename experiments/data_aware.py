@@ -17,7 +17,7 @@ Every cell converts the source (no fine-tune) and evaluates top-1 on the 10k Fas
 Key dims: ints. Calibration images come from the *training* split (seeded draw); the per-layer errors are measured on
 64 further held-out training images. Variants measured and removed (sequential capture, layer-wise losses, refining
 the values: RESULTS.md (b), commit c2a1b61; the whole-model refinement, both starts refined, energy thresholds,
-budgets and their held-out allocation: issue 54, the commit before it) are in RESULTS.md's history.
+budgets and their held-out allocation: the commit before their removal) are in RESULTS_HISTORY.md.
 Writes ``results/data_aware/<cell>.json``, ``table.md``, ``top1_vs_key_dim.png``.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # RESULTS.md (b), the recipe after a fine-tune: for each key dim in KEYS (default: 4 per layer; its budget=0.0625
-# cells came from before issue 54, which removed budgets), `collab-vit convert` weight-only and with the recipe (256
+# cells came from before budgets were removed), `collab-vit convert` weight-only and with the recipe (256
 # training images, default effort) into a hub folder, eval.py right after, then the 1-epoch fine-tune of
 # configs/fmnist/finetune.yaml on the folder's architecture (`--model local-dir:`). Control: the source fine-tuned the
 # same way (CONTROL=0 skips it). ~5 min per fine-tune.

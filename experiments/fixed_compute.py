@@ -1,5 +1,6 @@
-"""The calibrated default at a fixed compute (issue 56): top-1 of the blockwise refinement by calibration images,
-passes and the precision of its costly parts, against what each costs on DeiT-B, from ``blockwise_loso.py`` grids:
+"""The calibrated default at a fixed compute (RESULTS.md, "At a fixed compute: the default"): top-1 of the blockwise
+refinement by calibration images, passes and the precision of its costly parts, against what each costs on DeiT-B,
+from ``blockwise_loso.py`` grids:
 
     for s in e5-s0 e15-s20 e15-s21; do for n in 640 1024 2048; do
         python experiments/blockwise_loso.py grid --source runs/sources/$s/model.safetensors --name $s-n$n \\
@@ -13,12 +14,12 @@ passes and the precision of its costly parts, against what each costs on DeiT-B,
 
 Compute: DeiT-B seconds on the 2-core CPU of the parts that grow with the images (``PARTS``, measured by
 ``benchmarks/data_aware_bench.py --bf16-parts``: the capture and the held-out measures, the sensitivity pass, the
-converted tokens, each layer's steps), float32 or bfloat16 parts. Top-1 change against the source with a 95 %
-interval paired over the 10k test images; 'vs old default': against 2048 images and 16 passes in float32 (the
-default before issue 56) on the same source and key dim. ``choice.md``: for each source, the recipe within
-``--budget`` DeiT-B seconds with the best mean top-1 gain over weight-only on the *other* 15-epoch sources (both key
-dims; a recipe must have been run on every source): the models users convert are well trained, so no choice trades
-them for the 5-epoch ones, which are reported; then each recipe's mean gain by training length.
+converted tokens, each layer's steps), float32 or bfloat16 parts. Top-1 change against the source with a 95 % interval
+paired over the 10k test images; 'vs old default': against 2048 images and 16 passes in float32 (the default before the
+fixed-compute choice) on the same source and key dim. ``choice.md``: for each source, the recipe within ``--budget``
+DeiT-B seconds with the best mean top-1 gain over weight-only on the *other* 15-epoch sources (both key dims; a recipe
+must have been run on every source): the models users convert are well trained, so no choice trades them for the 5-epoch
+ones, which are reported; then each recipe's mean gain by training length.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from runner import figure  # noqa: E402
 
 from collab_vit.conversion.calibration.recipe import COST, REFINE_LR, SAMPLES, split  # noqa: E402
 
-OLD = (2048, 16, False, SAMPLES, REFINE_LR, "attention")  # the default before issue 56: images, passes, bfloat16
+OLD = (2048, 16, False, SAMPLES, REFINE_LR, "attention")  # the previous default: images, passes, bfloat16
 # parts, classes per image, the refinement's lr and its target (the attention layer's output, or the block's:
 # experiments/whole_block.py)
 # DeiT-B seconds per image on the 2-core AMD EPYC (AVX512-BF16), measured end to end (benchmarks/data_aware_bench.md,

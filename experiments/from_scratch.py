@@ -32,7 +32,7 @@ VARIANTS = [  # (config, attention, key dim, mixing init)
     ('concat_k32', 'concatenate (reduced)', D // 2, ''),
     ('concat_k16', 'concatenate (reduced)', D // 4, ''),
     ('concat_k8', 'concatenate (reduced)', D // 8, ''),
-    # issue 21: one dim per head, where cutting may cost accuracy (its mixing-lr variant was removed: issue 54)
+    # RESULTS.md, "One dim per head (D/16)": where cutting may cost accuracy (its mixing-lr variant was removed)
     ('concat_k4', 'concatenate (reduced)', D // 16, ''),
     ('collab_k4', 'collaborative', D // 16, 'concatenate'),
     ('collab_k4_random', 'collaborative', D // 16, 'random'),

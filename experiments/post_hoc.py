@@ -5,11 +5,11 @@ loses little accuracy, and a short fine-tune recovers it.
 
 1. Source: ``configs/fmnist/standard_long.yaml`` (standard attention, D = 64, trained longer than the from-scratch
    grid), seed 0. Control: the source fine-tuned with the same recipe as the converted models.
-2. Each cell: ``collab-vit convert`` the source to a key dim (3D/4, D/2, D/4; Tucker, the one method the command
-   has since issue 54: the ``cp`` / ``parafac`` and energy-threshold cells of RESULTS.md (b) came from this script
-   before it, at the commit RESULTS.md names), ``eval.py`` right after conversion; then ``train.py -c
-   configs/fmnist/finetune.yaml`` (1 epoch) from the converted weights for the cells in ``--finetune`` (default:
-   every key dim).
+2. Each cell: ``collab-vit convert`` the source to a key dim (3D/4, D/2, D/4; Tucker, the one method the command has
+   since the options no measurement kept were removed: the ``cp`` / ``parafac`` and energy-threshold cells of RESULTS.md
+   (b) came from this script before it, at the commit RESULTS.md names), ``eval.py`` right after conversion; then
+   ``train.py -c configs/fmnist/finetune.yaml`` (1 epoch) from the converted weights for the cells in ``--finetune``
+   (default: every key dim).
 Writes ``results/post_hoc/<cell>.json``, ``table.md`` and ``top1_vs_key_dim.png``.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 33 4(b) after the 1-epoch fine-tune (configs/fmnist/finetune.yaml) of the models experiments/rotary_post_hoc.py
-# kept with --save K: for each K in KEYS, select (its state dict in the weight folder's architecture), weight and
-# recipe (their hub folders); the top-1 on the 10k test set after the epoch is in $RUNS/ft_<variant>_k<K>/log.jsonl.
+# RESULTS.md, "Rotary models", after the 1-epoch fine-tune (configs/fmnist/finetune.yaml) of the models
+# experiments/rotary_post_hoc.py kept with --save K: for each K in KEYS, select (its state dict in the weight folder's
+# architecture), weight and recipe (their hub folders); the top-1 on the 10k test set after the epoch is in
+# $RUNS/ft_<variant>_k<K>/log.jsonl.
 # Control: the source (SRC) fine-tuned the same way (CONTROL=0 skips it).
 #   RUNS=runs/rotary_post_hoc SRC=runs/sources/rope_long-s0/model.safetensors DATA=data KEYS="16" \
 #       PYTHON=.venv/bin/python bash experiments/rotary_finetune.sh

@@ -1,4 +1,4 @@
-"""Issue 33, evidence 4(b) and 4(c): a rotary source (timm's RoPE-ViT trained on Fashion-MNIST) converted post hoc.
+"""RESULTS.md, "Rotary models": a rotary source (timm's RoPE-ViT trained on Fashion-MNIST) converted post hoc.
 
     python experiments/rotary_post_hoc.py --source runs/sources/rope_long-s0/model.safetensors \\
         --config configs/fmnist/rope_long.yaml --data-dir data
@@ -14,8 +14,8 @@ Every cell converts the source at a q/k dim per layer (no fine-tune) and evaluat
   keep ``p`` under ``select``, each fit started from that selection (the issue's third row);
 * ``recipe``: ``collab_vit.reparametrize(model, K, calibration=--images training images)`` (default effort).
 
-(``recipe-before``, the whole-model refinement of before issue 34, left with that refinement in issue 54: its cells
-are in RESULTS.md's history.)
+(``recipe-before``, an earlier default's whole-model refinement, left with that refinement when the options no
+measurement kept were removed: its cells are in RESULTS_HISTORY.md.)
 
 Also written: ``methods.md`` (the per-frequency decompositions against the dense complex float64 tensor: error and
 seconds) and ``energy.md`` / ``energy.png`` (4(c): per frequency, the share of the heads' joint energy the first R
@@ -69,7 +69,7 @@ def swap(model: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
 
 
 selection_layer = rotary_fit.selection_layer  # without a rope: ranked by ||T_ip||, as the recipe's "select" start
-# was before issue 54 (experiments/rotary_ranking.py compares the rankings)
+# was before the rotary weight-only rule (experiments/rotary_ranking.py compares the rankings)
 
 
 def per_frequency(attn: torch.nn.Module, key_dim: int, variant: str) -> torch.nn.Module:
@@ -122,7 +122,8 @@ def run_cell(source: torch.nn.Module, key_dim: int, variant: str, calibration: t
 
 
 def selection_table(folders: list[Path]) -> str:
-    """Issue 40 item 4 across rotary sources (one ``--results`` folder each, cells with per-image predictions): per
+    """The selection against the recipe (RESULTS.md, "Compressed: calibration at 3/4 and 1/2 of the q/k dims") across
+    rotary sources (one ``--results`` folder each, cells with per-image predictions): per
     source and q/k dims, the selection, the weight-only conversion and the recipe (kept candidate) against the
     source, and the recipe minus the selection, each with its 95 % interval paired over the test images."""
     lines = ["| source | q/k dims | select | weight-only | recipe (kept) | recipe - select |",
@@ -170,7 +171,7 @@ def table(rows: list[dict], top1_source: float) -> str:
         for r in recipe:
             kl = r["summary"]["candidates"]
             refined = next((c for c in kl if "+" in c), None)
-            select = f"{kl['select']:.4f}" if "select" in kl else "—"  # a candidate since issue 40
+            select = f"{kl['select']:.4f}" if "select" in kl else "—"  # older cells lack it
             lines.append(f"| {r['key_dim']} | {kl['weight']:.4f} | {kl['whitened']:.4f} | {select} | " +
                          ("—" if refined is None else f"{kl[refined]:.4f} ({refined})") +
                          f" | {r['summary']['chosen']} |")
@@ -301,7 +302,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", type=Path, help="the trained rotary model (.safetensors or checkpoint)")
     p.add_argument("--selection-table", nargs="+", type=Path, metavar="FOLDER",
-                   help="instead: the recipe against the selection over these --results folders (issue 40 item 4)")
+                   help="instead: the recipe against the selection over these --results folders")
     p.add_argument("--config", default=str(ROOT / "configs" / "fmnist" / "rope_long.yaml"))
     p.add_argument("--data-dir", default="data")
     p.add_argument("--results", type=Path, default=ROOT / "results" / "rotary_post_hoc")

@@ -1,4 +1,5 @@
-"""Issue 54 item 4: the rotary selection ranked by what each pair gives the logits, and the light-compression rule.
+"""The rotary selection ranked by what each pair gives the logits, and the light-compression rule (RESULTS.md, "The
+rotary weight-only rule").
 
     python experiments/rotary_ranking.py grid --source runs/sources/rope-e15-s0/model.safetensors \\
         --name rope-e15-s0 --data-dir data
@@ -9,7 +10,7 @@ on the 10k test images, keeping each image's outcome (paired intervals). Variant
 
 * ``fit``: the per-frequency fit (``rotary_fit.fit_rotary``), the weight-only conversion below ``LIGHT``;
 * ``norm``: each head keeps its pairs of largest ``||T_ip|| = ||[Wq | bq]|| ||[Wk | bk]||`` (biases appended as a
-  column: the ranking before issue 54);
+  column: the ranking before this experiment);
 * ``weights``: the same by ``||Wq_ip|| ||Wk_ip||`` (biases left out: the issue's comparison);
 * ``logit``: by ``Frequencies.logit_energy`` under the model's rope (the package's ``selection_layer``);
 * ``data``: by the measured variance of each pair's logit term along a softmax row on ``--images`` training images

@@ -1,4 +1,5 @@
-"""Issue 56: refining against the whole block's output instead of the attention layer's, at a fixed compute.
+"""Refining against the whole block's output instead of the attention layer's, at a fixed compute (RESULTS.md, "At a
+fixed compute: the default").
 
 The package refines each converted attention layer on its own output error, weighed by the source's sensitivities
 of the log-probabilities to that output (``blockwise.py``: the Fisher form of the output KL). ``BlockRun`` refines

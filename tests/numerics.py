@@ -1,4 +1,4 @@
-"""Tolerances from error analysis, not from one machine (issue 17).
+"""Tolerances from error analysis, not from one machine.
 
 A float32 result is compared with a float64 reference of the same computation on the same inputs:
 

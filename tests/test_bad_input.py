@@ -284,7 +284,7 @@ def test_cli_processes_print_one_line(files, tmp_path):
     assert sorted(os.listdir(tmp_path)) == [] and not (tmp / 'PWNED').exists()
 
 
-# ---- a standard DeiT .pth as start weights of a collaborative model (issue 12) ----------------------------------
+# ---- a standard DeiT .pth as start weights of a collaborative model (converted on load) -------------------------
 
 def test_standard_deit_checkpoint_converted_like_pretrained(tmp_path, monkeypatch):
     """--checkpoint deit.pth with a collab_* model converts the qkv weights exactly as pretrained=True does."""

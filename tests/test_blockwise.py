@@ -190,8 +190,9 @@ def test_sensitivities_are_the_gradients_of_the_drawn_class_log_probability() ->
 
 
 def test_the_default_refinement_runs_the_whole_model_a_fixed_number_of_times() -> None:
-    """The cost guarantee (issue 40): the default effort's refinement steps run single layers, so the whole model's
-    forward passes do not grow with the steps (capture, one pass with the sensitivities, the held-out measures)."""
+    """The cost guarantee of the blockwise refinement (RESULTS_HISTORY.md, "Blockwise refinement"): the default effort's
+    refinement steps run single layers, so the whole model's forward passes do not grow with the steps (capture, one
+    pass with the sensitivities, the held-out measures)."""
     from collab_vit.conversion.calibration.recipe import Recipe
     from collab_vit.conversion.reparam import convert_model
 

@@ -1,6 +1,6 @@
-"""experiments/blockwise_loso.py (issue 40 item 3): its snapshots are the package's default recipe to the bit, its
-replay of the guard keeps what the package keeps, and its leave-one-source-out choice never looks at the source it
-reports."""
+"""experiments/blockwise_loso.py (RESULTS.md, "The constants"): its snapshots are the package's default recipe to the
+bit, its replay of the guard keeps what the package keeps, and its leave-one-source-out choice never looks at the source
+it reports."""
 import copy
 import json
 import os
@@ -111,10 +111,11 @@ def test_the_package_default_is_the_choice_on_all_sources() -> None:
 
 
 def test_the_whole_block_target_is_the_attention_target_where_the_mlp_adds_nothing() -> None:
-    """experiments/whole_block.py (issue 56): with every block's MLP output zero, a block's output error is its attention
-    layer's and the sensitivities to both are the same (the chain rule), so the whole-block loss of each layer equals
-    the package's attention loss (float64: the two differ by the rounding of a few hundred operations, far below
-    1e-9 relative), the refinement lowers it, and with the MLP the two objectives differ beyond rounding."""
+    """experiments/whole_block.py (RESULTS.md, "At a fixed compute: the default"): with every block's MLP output zero, a
+    block's output error is its attention layer's and the sensitivities to both are the same (the chain rule), so the
+    whole-block loss of each layer equals the package's attention loss (float64: the two differ by the rounding of a few
+    hundred operations, far below 1e-9 relative), the refinement lowers it, and with the MLP the two objectives differ
+    beyond rounding."""
     import timm
     from collab_vit.conversion.calibration.blockwise import mean_loss, source_outputs
     from collab_vit.conversion.calibration.recipe import Recipe, RecipeRun

@@ -1,6 +1,6 @@
-"""experiments/blockwise_sequential.py (issue 40): on a one-layer source, refining on the converted model's tokens is
-the package's blockwise refinement to the bit (the first layer's tokens are the source's, the same seed and target);
-on two layers it runs end to end and writes its rows and table."""
+"""experiments/blockwise_sequential.py (RESULTS_HISTORY.md, "Blockwise refinement"): on a one-layer source, refining on
+the converted model's tokens is the package's blockwise refinement to the bit (the first layer's tokens are the
+source's, the same seed and target); on two layers it runs end to end and writes its rows and table."""
 import json
 
 import pytest

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 
 import pytest
 import timm
@@ -19,7 +18,6 @@ from collab_vit.conversion.weights.fit import fit_attention as fit_sides
 from collab_vit.conversion.calibration.guard import held_out_split
 from collab_vit.conversion.calibration import candidates as candidates_module
 from reference_decompose import decomposed_by
-from collab_vit.conversion.weights.dims import REMOVED
 from collab_vit.conversion.calibration.recipe import Recipe
 from collab_vit.conversion.reparam import convert_model, reparametrize_attention
 
@@ -235,8 +233,6 @@ def test_bad_calibration_options() -> None:
         collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="max", progress=False)
     with pytest.raises(ValueError, match="effort must be one of"):  # both starts refined: measured no better, removed
         collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="both", progress=False)
-    with pytest.raises(ValueError, match=re.escape(REMOVED["thorough"])):  # the whole-model refinement: removed
-        collab_vit.reparametrize(tiny_deit(), 6, calibration=images(4), effort="thorough", progress=False)
     with pytest.raises(ValueError, match="the whole-model '.refine' was removed"):
         convert(tiny_deit(), 6, images(4), candidates=("whitened+refine",))
     with pytest.raises(ValueError, match="ridge must be a positive"):

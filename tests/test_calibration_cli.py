@@ -35,7 +35,7 @@ def test_help_fits_one_screen_with_its_flags() -> None:
                  "--calibration-data-dir", "--calibration-dataset", "--calibration-images",
                  "--effort"):
         assert flag in text
-    assert "--method" not in text and "budget" not in text and "thorough" not in text  # removed (issue 54)
+    assert "--method" not in text and "budget" not in text and "thorough" not in text  # removed (RESULTS_HISTORY.md)
     flags = [a for a in convert._actions if a.option_strings and a.dest != "help"]
     assert len(flags) <= 12 and len(text.splitlines()) <= 60
 
@@ -143,9 +143,9 @@ def test_analyze_with_calibration_uses_the_whitened_spectrum(tmp_path, capsys) -
 
 
 def test_the_command_holds_out_a_quarter_up_to_256_and_guards_at_the_frozen_confidence(tmp_path) -> None:
-    """The frozen defaults (RESULTS.md (b), issue 40) reach the user through the installed ``collab-vit convert`` in a
-    process of its own (``warmstart``): of 1040 calibration images (a quarter would be 260) 256 are held out, and the
-    guard's verdicts are at the package's confidence."""
+    """The frozen defaults (RESULTS.md (b), "The constants") reach the user through the installed ``collab-vit convert``
+    in a process of its own (``warmstart``): of 1040 calibration images (a quarter would be 260) 256 are held out, and
+    the guard's verdicts are at the package's confidence."""
     import os
     import sys
 

@@ -1,10 +1,10 @@
 """Every family of the package's table (``collab_vit/conversion/files/families.py``) through every command a user runs
-(issue 39), each in its own process as a user starts it: the installed ``collab-vit convert`` at an integer key dim
-below full rank with calibration images stored at another size than the model's input (into a hub folder), weight-only
-at a quarter of the q/k dims (a ``.safetensors`` file) and at a per-layer list (a folder); the folders reloaded by plain timm
-(``local-dir:``, after ``import collab_vit``) in a fresh process; ``eval.py`` on a folder; ``train.py`` fine-tuning it
-for one update; ``collab-vit analyze``. Each exits 0 with no traceback; every refused design of the table exits 2
-with one line and writes nothing. A row added to the table runs through all of it.
+(what a first-time user meets), each in its own process as a user starts it: the installed ``collab-vit convert`` at an
+integer key dim below full rank with calibration images stored at another size than the model's input (into a hub
+folder), weight-only at a quarter of the q/k dims (a ``.safetensors`` file) and at a per-layer list (a folder); the
+folders reloaded by plain timm (``local-dir:``, after ``import collab_vit``) in a fresh process; ``eval.py`` on a
+folder; ``train.py`` fine-tuning it for one update; ``collab-vit analyze``. Each exits 0 with no traceback; every
+refused design of the table exits 2 with one line and writes nothing. A row added to the table runs through all of it.
 
 The sources are each row's random initialisation at the table's small size (``--checkpoint none``). The commands
 run two at a time (one thread each) so that the 2-core machine the suite targets is used fully.

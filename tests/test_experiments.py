@@ -167,8 +167,9 @@ def test_fixed_compute_table_from_the_committed_grids(tmp_path):
 
 
 def test_rotary_ranking(tiny_fashion_mnist, tmp_path):
-    """experiments/rotary_ranking.py (issue 54 item 4) on two inits of rope_long.yaml's model: each variant's cell
-    with its per-image outcomes, the table with paired intervals and the rule chosen leaving each source out."""
+    """experiments/rotary_ranking.py (RESULTS.md, "The rotary weight-only rule") on two inits of rope_long.yaml's model:
+    each variant's cell with its per-image outcomes, the table with paired intervals and the rule chosen leaving each
+    source out."""
     import torch
     from collab_vit.training.build import build_model
     from collab_vit.training.config import build_config

@@ -182,8 +182,8 @@ def test_batch_chunks_cover_the_batch_once() -> None:
 @pytest.mark.parametrize("key_dim", [6, 48])  # the core's flash and grouped-matmul forwards (head dim 16)
 @pytest.mark.parametrize("mask", ["none", "float"])
 def test_double_backward_matches_explicit(key_dim: int, mask: str) -> None:
-    """Second order through ``CollaborativeCore`` (issue 14, case 3): in float64, ``grad(grad(y, x,
-    create_graph=True).pow(2).sum(), (x, mask, parameters))`` equals the explicit path's."""
+    """Second order through ``CollaborativeCore`` (benchmarks/attention_notes.md, "Second order"): in float64,
+    ``grad(grad(y, x, create_graph=True).pow(2).sum(), (x, mask, parameters))`` equals the explicit path's."""
     torch.manual_seed(0)
     layer = CollaborativeAttention(DIM, HEADS, key_dim=key_dim, qkv_bias=True).double()
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""What a user trying the commands for the first time met (issue 39), each in a process of its own
+"""What a user trying the commands for the first time met, each in a process of its own
 (``warmstart``): no network, random weights, a checkpoint of another architecture, fewer calibration images than
 asked, a class count below 5; the help, the README and docs/post_hoc.md against the package's table of families."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The GPU check script's CPU smoke mode runs in the suite, so that the script cannot rot before a GPU runs it; its
-coverage part fails when a layer class or a row of the dispatch tables has no case (issue 55)."""
+coverage part fails when a layer class or a row of the dispatch tables has no case."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -51,8 +51,6 @@ def test_converted_deit_reproduces_timm_logits(size: str) -> None:
 
 def test_reparametrize_errors() -> None:
     model = timm.create_model("deit_tiny_patch16_224", **TINY)
-    with pytest.raises(TypeError, match="the decomposition method is no longer an option"):
-        collab_vit.reparametrize(model, method="svd")
     with pytest.raises(ValueError, match="key_dim must be a positive integer"):
         collab_vit.reparametrize(model, key_dim=0)
     with pytest.raises(ValueError, match="already collaborative or cut attention"):

@@ -1,5 +1,5 @@
-"""Registered collaborative rotary ViTs (issue 33 item 5): timm's RoPE-ViTs with the collaborative rotary layer, the
-paper's grid by name, and ``train.py`` training one with the Fashion-MNIST recipe."""
+"""Registered collaborative rotary ViTs (RESULTS.md, "Rotary models"): timm's RoPE-ViTs with the collaborative rotary
+layer, the paper's grid by name, and ``train.py`` training one with the Fashion-MNIST recipe."""
 from __future__ import annotations
 
 import copy

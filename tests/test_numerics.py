@@ -1,4 +1,4 @@
-"""The derived float32 bounds (``numerics.py``) still catch a planted error, once per kind of check (issue 17)."""
+"""The derived float32 bounds (``numerics.py``) still catch a planted error, once per kind of check."""
 from __future__ import annotations
 
 import copy

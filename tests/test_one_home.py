@@ -2,7 +2,7 @@
 convert, and if not why" (``layers/construction.conversion_reason``) that the layer, the support check and the
 conversion give alike, the small helpers the package writes once (``replace_submodule``, timm's ``attn_dim``,
 ``weights_io.one_line``, the model-name scheme and a layer's key dim in ``models.py``), and the conversion's concepts
-(issue 54: one weight-only conversion, one key-dim resolver, one output error, one tensor error, one per-image KL)."""
+(one weight-only conversion, one key-dim resolver, one output error, one tensor error, one per-image KL)."""
 import os
 import re
 import signal
@@ -64,6 +64,38 @@ def test_written_once(pattern, home):
     assert not written_outside(pattern, home)
 
 
+# a copy of "a positive integer or a list of them": a positive-integer check applied to each element of a list
+POSITIVE_INTS_COPY = r'(positive_int|is_integer)\([^()]*\)( and \w+ > 0)? for \w+ in'
+
+
+def test_one_check_for_a_positive_int_or_a_list_of_them():
+    """``checks.positive_ints`` is the one check of a key dim (one for every layer, or one per layer): a copy is
+    found by what it computes (the check applied to each element of a list; the three copies it replaced, in
+    ``dims.check_spec``, ``models.py`` and the training config, are the examples), and the sites that read a key dim
+    each name the bad value."""
+    for old in ('return [positive_int(k, "key_dim") for k in spec]',
+                'dims = tuple(positive_int(k, "key_dim") for k in key_dim)',
+                'if not values or not all(is_integer(v) and v > 0 for v in values):'):
+        assert re.search(POSITIVE_INTS_COPY, old), old
+    assert not written_outside(POSITIVE_INTS_COPY, 'checks.py')
+    assert any(where.startswith('checks.py:') for where in written_outside(POSITIVE_INTS_COPY, ''))
+    import timm
+    from collab_vit.conversion.weights.dims import check_spec
+    from collab_vit.training.config import check_key_dim_value
+    assert checks.positive_ints(np.int64(4), 'k') == 4 and checks.positive_ints((4, 8), 'k') == [4, 8]
+    for bad in (0, -3, 1.5, '8', True, [], [8, 0], [8, '8']):
+        named = [repr(bad)] + ([repr(v) for v in bad] if isinstance(bad, list) else [])
+        for site in (lambda: checks.positive_ints(bad, 'key_dim'), lambda: check_spec(bad),
+                     lambda: timm.create_model('collab_deit_tiny_patch16_224', key_dim=bad, img_size=32,
+                                               patch_size=8, depth=2),
+                     lambda: check_key_dim_value(bad, 'test.yaml')):
+            with pytest.raises(ValueError) as error:
+                site()
+            message = str(error.value)
+            assert '\n' not in message and any(f'{n} for' in message or message.endswith(f'got {n}')
+                                                for n in named), message
+
+
 @pytest.mark.parametrize('pattern, home', [
     (r'\.norm\(\) / \w+\.norm\(\)', 'conversion/weights/fit.py'),  # a layer's relative output error: fit.output_error
     # a layer's tensor error: fit.tensor_error
@@ -72,12 +104,12 @@ def test_written_once(pattern, home):
     (r'\w*dims?\w* % 2\b', 'conversion/weights/dims.py'),  # even key dims of rotary layers: dims.layer_dims
     (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/weights/dims.py'),  # one key dim for every layer
     # key-dim specs
-    (r'startswith\(["\']budget=|entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
+    (r'entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
     # a weight-only fit (a layer's fit without whitening sides): convert.convert_layer
     (r'fit_(?:attention|rotary)\(\w+, [\w.]+(?:\)|, \*\*)', 'conversion/weights/convert.py'),
 ])
 def test_conversion_concepts_computed_once(pattern, home):
-    """Issue 54: each of these is computed in its home module of ``conversion/`` only (found by what the code
+    """Each of these is computed in its home module of ``conversion/`` only (found by what the code
     computes, not by a function's name): the conversion paths call the one function."""
     assert not [where for where in written_outside(pattern, home) if where.startswith('conversion/')]
     assert any(where.startswith(home + ':') for where in written_outside(pattern, '')), 'the pattern finds nothing'

@@ -72,20 +72,19 @@ def test_sources_differing_in_biases_or_projection_do_not_share_an_entry(tmp_pat
     assert len(calls) == 3 and sorted((tmp_path / "torch_home").rglob("*.safetensors")) == entries
 
 
-def test_key_covers_method_options_target_and_versions(monkeypatch) -> None:
+def test_key_covers_options_target_and_versions(monkeypatch) -> None:
     torch.manual_seed(0)
     model = timm.create_model("collab_deit_tiny_patch16_224", key_dim=KEY_DIM, **SMALL)
     state = timm.create_model("deit_tiny_patch16_224", **SMALL).state_dict()
-    base = cache_key(state, model, "tucker", {})[0]
-    assert cache_key(state, model, "tucker", {"seed": 1, "tol": 1e-6})[0] == base  # a default; tucker takes no seed
-    others = [cache_key(state, model, "cp", {})[0], cache_key(state, model, "cp", {"seed": 1})[0],
-              cache_key(state, model, "tucker", {"dtype": torch.float32})[0],
-              cache_key(state, model, "tucker", {"max_iter": 5})[0],
-              cache_key(state, timm.create_model("collab_deit_tiny_patch16_224", key_dim=12, **SMALL), "tucker", {})[0],
+    base = cache_key(state, model, {})[0]
+    assert cache_key(state, model, {"seed": 1, "tol": 1e-6})[0] == base  # a default; tucker takes no seed
+    others = [cache_key(state, model, {"dtype": torch.float32})[0],
+              cache_key(state, model, {"max_iter": 5})[0],
+              cache_key(state, timm.create_model("collab_deit_tiny_patch16_224", key_dim=12, **SMALL), {})[0],
               cache_key({**state, "blocks.1.attn.proj.bias": state["blocks.1.attn.proj.bias"].double()}, model,
-                        "tucker", {})[0]]
+                        {})[0]]
     monkeypatch.setattr(collab_vit._version, "__version__", "0.0.0-other")
-    others.append(cache_key(state, model, "tucker", {})[0])
+    others.append(cache_key(state, model, {})[0])
     assert len(set(others + [base])) == len(others) + 1
 
 

@@ -11,7 +11,6 @@ import torch
 import collab_vit
 from collab_vit import CollaborativeAttention
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion.weights.dims import REMOVED
 from collab_vit.training.eval_cli import parse_args as evaluate_args, run as evaluate_run
 from collab_vit.weights_io import read_weights
 from numerics import U32, assert_within, attention_chain, vit_chain
@@ -98,9 +97,8 @@ def test_list_key_dims() -> None:
 
 @pytest.mark.parametrize("bad, message", [
     (0, "key_dim must be a positive integer"), (-4, "key_dim must be a positive integer"),
-    ([8, 8], "2 entries but the model has 3"), (1.5, "energy-threshold key dims were removed"),
-    (0.9, "energy-threshold key dims were removed"), ("16", "key_dim must be"),
-    ("budget=0.5", "budget key dims were removed"),
+    ([8, 8], "2 entries but the model has 3"), (1.5, "key_dim must be an int, a list of ints"),
+    ("16", "key_dim must be"),
 ])
 def test_bad_key_dims(bad: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -108,11 +106,9 @@ def test_bad_key_dims(bad: object, message: str) -> None:
 
 
 def test_old_names() -> None:
-    """``reparametrize_layers`` (deprecated) and the ``convert`` alias are gone; the first says what replaced it."""
-    with pytest.raises(ImportError, match="reparametrize_layers was removed"):
-        collab_vit.reparametrize_layers
+    """``reparametrize_layers`` (deprecated) and the ``convert`` alias are gone."""
+    assert not hasattr(collab_vit, "reparametrize_layers")
     assert not hasattr(collab_vit.reparam, "convert") and not hasattr(collab_vit.reparam, "reparametrize_layers")
-    assert REMOVED["reparametrize_layers"].endswith("return_report=True)")
 
 
 def test_bad_model() -> None:

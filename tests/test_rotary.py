@@ -1,7 +1,7 @@
-"""Rotary attention (issue 33): the collaborative rotary layer computes the logits of timm's ``AttentionRope`` /
-``EvaAttention`` (both rope layouts, prefix tokens unrotated, q/k biases in the shared projections, both routes);
-every rotary family timm registers converts exactly at full rank and reloads bit-identically from its hub folder;
-odd key dims, mixed rope and qk_norm are refused in one line with the model untouched (compression:
+"""Rotary attention (RESULTS.md, "Rotary models"): the collaborative rotary layer computes the logits of timm's
+``AttentionRope`` / ``EvaAttention`` (both rope layouts, prefix tokens unrotated, q/k biases in the shared projections,
+both routes); every rotary family timm registers converts exactly at full rank and reloads bit-identically from its hub
+folder; odd key dims, mixed rope and qk_norm are refused in one line with the model untouched (compression:
 test_rotary_compress.py)."""
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ REFUSALS = {  # label -> (timm name, keywords over vit_family.SMALL, key_dim, wh
                                                              "got 65 for blocks.0.attn"),
     "an odd key dim below full rank": ("vit_small_patch16_dinov3", {}, 31, "rotary attention needs an even key_dim "
                                                                            "(pairs of dims), got 31"),
-    "a budget (removed)": ("eva02_tiny_patch14_224", {}, "budget=0.25", "budget key dims were removed"),
+    "a string key dim": ("eva02_tiny_patch14_224", {}, "budget=0.25", "key_dim must be an int, a list of ints"),
 }
 
 

@@ -1,8 +1,8 @@
-"""Compression of rotary attention per frequency (issue 33, conversion/weights/rotary_fit.py): at full rank the fit is
-the exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and never above keeping
-each head's strongest pairs at equal q/k parameters; the
-calibrated recipe runs its candidates on rotary layers and keeps weight-only unless another is better on held-out
-images; a compressed model reloads bit-identically from its hub folder."""
+"""Compression of rotary attention per frequency (RESULTS.md, "Rotary models"; conversion/weights/rotary_fit.py): at
+full rank the fit is the exact conversion; below, the error is what the fit predicts, non-increasing in the key dim and
+never above keeping each head's strongest pairs at equal q/k parameters; the calibrated recipe runs its candidates on
+rotary layers and keeps weight-only unless another is better on held-out images; a compressed model reloads
+bit-identically from its hub folder."""
 from __future__ import annotations
 
 import copy
@@ -136,8 +136,9 @@ def test_calibrated_recipe_on_rotary_layers() -> None:
 
 
 def test_selection_is_a_candidate_of_the_calibrated_recipe() -> None:
-    """Issue 40 item 4: each head keeping its strongest pairs (``selection_layer``) is measured beside the fits; pinned,
-    the model holds exactly that layer (its pairs and the source's frequencies), exact at full rank."""
+    """The selection candidate (RESULTS.md, "Compressed: calibration at 3/4 and 1/2 of the q/k dims"): each head keeping
+    its strongest pairs (``selection_layer``) is measured beside the fits; pinned, the model holds exactly that layer
+    (its pairs and the source's frequencies), exact at full rank."""
     name, kwargs = vit_family.ROTARY["RoPE-ViT axial"]
     model = vit_family.create(name, kwargs)
     images = vit_family.images(24, seed=3)
@@ -266,10 +267,11 @@ def centred_logit_change(layer: nn.Module, reference: nn.Module, x: torch.Tensor
 
 
 def test_selection_keeps_the_pair_that_gives_the_logits_most() -> None:
-    """Issue 54 item 4: a pair whose appended-bias norm ``||[Wq | bq]|| ||[Wk | bk]||`` is largest but whose key bias
-    barely turns along a row (low frequency) changes the logits less than a bias-free pair of smaller norm; the
-    selection ranks by ``logit_energy`` under the layer's rope and keeps the pair the layer's logits on random tokens
-    say, where the ranking by the appended-bias norm keeps the other."""
+    """The selection's ranking (RESULTS.md, "The rotary weight-only rule"): a pair whose appended-bias norm
+    ``||[Wq | bq]|| ||[Wk | bk]||`` is largest but whose key bias barely turns along a row (low frequency) changes the
+    logits less than a bias-free pair of smaller norm; the selection ranks by ``logit_energy`` under the layer's rope
+    and keeps the pair the layer's logits on random tokens say, where the ranking by the appended-bias norm keeps the
+    other."""
     attn, rope = planted_low_frequency_key_bias()
     x = torch.randn(8, 17, 16, generator=torch.Generator().manual_seed(2))
     exact = rotary.rotary_layer(attn)

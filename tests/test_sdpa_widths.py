@@ -1,4 +1,4 @@
-"""What the CUDA route hands SDPA (issue 55): query/key widths a multiple of 8 under bfloat16 and float16 for every
+"""What the CUDA route hands SDPA: query/key widths a multiple of 8 under bfloat16 and float16 for every
 layer class, so CUDA's fused kernels take the call (an unaligned width under 16-bit inputs silently falls to the math
 kernel, which builds every head's N x N weights); the collaborative layers' shared keys stay one stride-0 view.
 

@@ -1,4 +1,4 @@
-"""``train.py --torchcompile [BACKEND]`` (issue 55): timm's spelling and default (the flag alone is ``inductor``), a
+"""``train.py --torchcompile [BACKEND]``: timm's spelling and default (the flag alone is ``inductor``), a
 YAML key as every flag; the model compiled after its EMA as timm's train.py does, so checkpoints, the EMA and the
 exported weights keep plain parameter names and a run resumes without compiling.
 

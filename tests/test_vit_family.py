@@ -1,4 +1,4 @@
-"""timm's ViT family (issue 19): exact at full rank against float64, saved and reloaded by timm; the table in
+"""timm's ViT family: exact at full rank against float64, saved and reloaded by timm; the table in
 docs/post_hoc.md lists what ``benchmarks/vit_family.py`` covers, within bounds; refusals are one line, before any
 work, with the model untouched and nothing written; a conversion failing half way puts the model back."""
 from __future__ import annotations

@@ -11,11 +11,6 @@ A conversion goes through three stages, one subpackage each, importing one way (
 
 ``reparam`` (``reparametrize``, ``convert_model``: the public entries) joins the first two; ``files`` calls it.
 """
-from .weights.dims import removed_name
 from .reparam import ConversionReport, LayerReport, reparametrize, reparametrize_attention
 
 __all__ = ["ConversionReport", "LayerReport", "reparametrize", "reparametrize_attention"]
-
-
-def __getattr__(name: str) -> object:
-    raise removed_name(__name__, name)  # a removed public name says what replaced it

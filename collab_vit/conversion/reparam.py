@@ -10,7 +10,7 @@ images, never worse than weight-only there.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,7 @@ from .. import console
 from ..layers.attention import CollaborativeAttention
 from ..layers.construction import not_convertible, replace_submodule
 from .weights.whitening import TokenMoments, whitening
-from .weights.dims import REMOVED, KeyDimSpec, check_spec, layer_dims
+from .weights.dims import KeyDimSpec, check_spec, layer_dims
 from .weights.convert import convert_layer
 from .weights.fit import fit_attention, layer_from_decomposition, output_error
 from .calibration.capture import Calibration, normalising, peek
@@ -65,19 +65,8 @@ def timm_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
     return attention_forms(model)
 
 
-def refuse_removed(removed: dict[str, Any], entry: str) -> None:
-    """A ``TypeError`` naming what replaced a keyword argument that left ``entry`` (``dims.REMOVED``), or naming an
-    unknown one."""
-    for name in removed:
-        if name in REMOVED:
-            raise TypeError(f"{entry}: {REMOVED[name]}")
-    if removed:
-        raise TypeError(f"{entry}() got unexpected keyword arguments {sorted(removed)}")
-
-
 def reparametrize_attention(attn: Attention, key_dim: Optional[int] = None, *,
-                            calibration: Union[None, torch.Tensor, TokenMoments] = None, seed: int = 0,
-                            **removed: Any) -> CollaborativeAttention:
+                            calibration: Union[None, torch.Tensor, TokenMoments] = None) -> CollaborativeAttention:
     """The ``CollaborativeAttention`` replacing the timm ``attn`` at ``key_dim`` (section 3.3); ``attn`` is unchanged.
 
     Exact at ``key_dim >= heads x head_dim`` (or None). Below, a Tucker decomposition of the bilinear forms
@@ -86,7 +75,6 @@ def reparametrize_attention(attn: Attention, key_dim: Optional[int] = None, *,
     (docs/math.md, "Data-aware conversion"). One layer has no model output to guard against: :func:`reparametrize`
     measures the candidates on the model's outputs.
     """
-    refuse_removed(removed, "reparametrize_attention")
     if not isinstance(attn, Attention):  # before any weight is read
         raise not_convertible(attn, "not a timm Attention")
     spec = check_spec(key_dim)
@@ -111,7 +99,7 @@ def probe_input_size(model: nn.Module) -> tuple[int, int, int]:
 
 def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: Optional[Calibration] = None,
                   effort: str = "default", seed: int = 0, device: Union[None, str, torch.device] = None,
-                  progress: bool = True, return_report: bool = False, **removed: Any
+                  progress: bool = True, return_report: bool = False
                   ) -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
     """Replace every timm ``Attention`` of ``model`` (in place) by a ``CollaborativeAttention``; return ``model``.
 
@@ -142,10 +130,8 @@ def reparametrize(model: nn.Module, key_dim: KeyDimSpec = None, *, calibration: 
     nothing to fit there) and below it per frequency (``rotary_fit.py``: even key dims; the recipe's candidates with
     calibration). A model with an attention layer that cannot be converted
     (qk_norm, mixed rope, ...) is refused with one line before any work; one that fails half way is put back as it
-    was. Removed arguments (``method``; budget and threshold key dims; ``effort="thorough"``) are refused with a line
-    naming what replaced them.
+    was.
     """
-    refuse_removed(removed, "reparametrize")
     spec = check_spec(key_dim)
     check_effort(effort)
     if device is not None:

@@ -25,7 +25,7 @@ from timm.utils import ModelEmaV3, NativeScaler, unwrap_model
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import models  # noqa: F401  (registers collab_deit_* / concat_deit_* with timm)
-from ..conversion.files.pretrained import collab_filter_fn, conversion
+from ..conversion.files.pretrained import collab_filter_fn
 from ..layers.attention import CollaborativeAttention
 from ..weights_io import WeightsError, check_fit, model_pipeline, one_line, read_weights
 from .checkpoint import Progress
@@ -110,8 +110,7 @@ def _load_start_weights(model: torch.nn.Module, cfg: TrainConfig, ckpt: Optional
     if ckpt is not None:
         model.load_state_dict(fit_state(model, ckpt['model'], ckpt_path), strict=True)
     elif cfg.checkpoint:
-        load_weights(model, cfg.checkpoint, allow_new_head=True,
-                     conversion_method=cfg.model_kwargs.get('conversion_method', 'tucker'))
+        load_weights(model, cfg.checkpoint, allow_new_head=True)
 
 
 def _datasets(cfg: TrainConfig, dist_info: DistInfo):
@@ -263,8 +262,8 @@ def is_standard_attention_state(state: Dict[str, torch.Tensor]) -> bool:
     return any(k.endswith('attn.qkv.weight') for k in state)
 
 
-def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: str, allow_new_head: bool = False,
-              conversion_method: str = 'tucker') -> Dict[str, torch.Tensor]:
+def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: str,
+              allow_new_head: bool = False) -> Dict[str, torch.Tensor]:
     """``state`` made ready for ``model.load_state_dict``, or a WeightsError listing what does not fit.
 
     Standard-attention weights (a timm/DeiT ``.pth``) for a collaborative model are converted exactly as
@@ -274,11 +273,9 @@ def fit_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], source: st
     """
     collaborative = any(isinstance(m, CollaborativeAttention) for m in model.modules())
     if collaborative and is_standard_attention_state(state):
-        _logger.info('converting the standard attention weights in %s to collaborative (%s)', source,
-                     conversion_method)
+        _logger.info('converting the standard attention weights in %s to collaborative', source)
         try:
-            with conversion(conversion_method):
-                state = collab_filter_fn(dict(state), model)
+            state = collab_filter_fn(dict(state), model)
         except (ValueError, RuntimeError, KeyError) as e:
             raise WeightsError(f'cannot convert the standard attention weights in {source} for this model '
                                f'({one_line(e)}); convert them first with `collab-vit convert`') from None
@@ -300,15 +297,14 @@ def classifier_prefixes(model: torch.nn.Module) -> Tuple[str, ...]:
     return tuple(f'{name}.' for name in ((names,) if isinstance(names, str) else names))
 
 
-def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False, allow_new_head: bool = False,
-                 conversion_method: str = 'tucker') -> Dict:
+def load_weights(model: torch.nn.Module, path: str, use_ema: bool = False, allow_new_head: bool = False) -> Dict:
     """Load weights from our checkpoint, a ``.safetensors`` export or a timm/DeiT ``.pth`` into ``model``.
 
     See :func:`fit_state`; a file that does not fit is a WeightsError naming the mismatched keys and shapes.
     Returns the file's metadata.
     """
     state, meta = read_weights(path, use_ema=use_ema)
-    model.load_state_dict(fit_state(model, state, path, allow_new_head, conversion_method), strict=False)
+    model.load_state_dict(fit_state(model, state, path, allow_new_head), strict=False)
     return meta
 
 

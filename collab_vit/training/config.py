@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from ..checks import is_integer, is_number
+from ..checks import is_number, positive_ints
 from ..weights_io import WeightsError, atomic_write
 
 
@@ -311,10 +311,11 @@ RANGES: Tuple[Tuple[str, float, Optional[float], bool], ...] = (
 def check_key_dim_value(value: Any, where: str) -> None:
     """``model_kwargs.key_dim``: a positive int or a list of them (one per block); its length is checked when the
     model is built."""
-    values = value if isinstance(value, list) else [value]
-    if not values or not all(is_integer(v) and v > 0 for v in values):
+    try:
+        positive_ints(value, 'model_kwargs.key_dim')
+    except ValueError:
         raise ConfigError(f"bad value {value!r} for 'model_kwargs.key_dim' in {where} (expected a positive integer "
-                          f"or a list of them, one per block)")
+                          f"or a list of them, one per block)") from None
 
 
 def check_compile_backend(backend: str, where: str) -> None:

@@ -125,8 +125,7 @@ def load_model(args: argparse.Namespace) -> Tuple[torch.nn.Module, str, Dict[str
     if state:
         converts = is_standard_attention_state(state) and any(
             isinstance(m, CollaborativeAttention) for m in model.modules())  # fit_state converts them on load
-        model.load_state_dict(fit_state(model, state, args.checkpoint,
-                                        conversion_method=kwargs.get('conversion_method', 'tucker')), strict=True)
+        model.load_state_dict(fit_state(model, state, args.checkpoint), strict=True)
         if converts and not recorded:  # timm/DeiT weights converted on load: evaluated as timm evaluates them
             recorded = source_weights_pipeline(name, model)
     return model, name, kwargs, recorded

@@ -32,7 +32,6 @@ from ... import console
 from ...checks import is_integer, positive_int
 from ...layers.construction import replace_submodule
 from ..weights.whitening import DEFAULT_RIDGE, prefix_weight_for
-from ..weights.dims import REMOVED
 from .capture import Pending, model_outputs, prefix_tokens, source_tokens, tensor_bytes
 from ..weights.fit import LayerFit
 from .candidates import STARTS, Starts
@@ -58,8 +57,6 @@ MAX_HOLDOUT = 256  # the guard's held-out images at most (RESULTS.md (b), "The c
 
 
 def check_effort(effort: object) -> str:
-    if effort == "thorough":
-        raise ValueError(REMOVED["thorough"])
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {tuple(EFFORTS)}, got {effort!r}")
     return str(effort)

@@ -151,7 +151,7 @@ def weights_origin(model: nn.Module, checkpoint: Optional[str]) -> str:
 
 def parse_key_dim(text: str) -> KeyDimSpec:
     """``--key-dim``: ``384`` (all layers) or ``384,384,256,...`` (one per layer), read once here and checked by
-    ``dims.check_spec`` (a budget ``budget=F`` or an energy threshold ``0.95``: its line of ``dims.REMOVED``)."""
+    ``dims.check_spec``."""
     value: object = text
     try:
         value = [int(part) for part in text.split(",")] if "," in text else int(text)

@@ -38,18 +38,17 @@ from ...weights_io import atomic_write, safetensors_writer
 from ..weights.convert import convert_layer
 from ..weights.decompose import tucker_decompose
 
+METHOD = "tucker"  # the decomposition, named in a cache entry's key and file name (entries stay valid)
 CACHE_FORMAT = 2  # what a cache entry holds and how it is keyed; 1 was keyed by the qkv weights only
 
-_conversion: ContextVar[tuple[str, dict[str, Any]]] = ContextVar("collab_vit_conversion", default=("tucker", {}))
+_conversion: ContextVar[dict[str, Any]] = ContextVar("collab_vit_conversion", default={})
 
 
 @contextmanager
-def conversion(method: str, **options: Any) -> Iterator[None]:
-    """Use ``method`` ("tucker", "cp" or "parafac") and its decomposition ``options`` (``seed, max_iter, tol, dtype``) when
-    ``collab_filter_fn`` converts standard weights in this block."""
-    if method != "tucker":
-        raise ValueError(f"conversion_method must be 'tucker', got {method!r}")
-    token = _conversion.set((method, dict(options)))
+def conversion(**options: Any) -> Iterator[None]:
+    """Use the Tucker decomposition's ``options`` (``seed, max_iter, tol, dtype``) when ``collab_filter_fn`` converts
+    standard weights in this block."""
+    token = _conversion.set(dict(options))
     try:
         yield
     finally:
@@ -69,25 +68,25 @@ def cache_dir() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / "collab_vit"
 
 
-def decomposition_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` the decomposition takes, with its defaults filled in (so that passing a default, or an option the
-    method does not take such as tucker's seed, changes no cache key)."""
+def decomposition_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` the Tucker decomposition takes, with its defaults filled in (so that passing a default, or a seed,
+    which it does not take, changes no cache key)."""
     parameters = inspect.signature(tucker_decompose).parameters.values()
     defaults = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
     return {**defaults, **{k: v for k, v in options.items() if k != "seed" or k in defaults}}
 
 
-def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str,
-              options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, options: dict[str, Any]
+              ) -> tuple[str, dict[str, Any]]:
     """The digest naming a cache entry, and its non-tensor part (stored in the entry's metadata).
 
     The digest covers each source tensor the cached part derives from (every ``*.attn.*`` entry: name, dtype, shape,
-    bytes), the target layers (heads and key dim per block), the method, the decomposition options with defaults
+    bytes), the target layers (heads and key dim per block), the decomposition ("tucker") and its options with defaults
     filled in, ``CACHE_FORMAT`` and the collab-vit and torch versions.
     """
     described = {
-        "format": CACHE_FORMAT, "collab_vit": _version.__version__, "torch": torch.__version__, "method": method,
-        "options": decomposition_options(method, options),
+        "format": CACHE_FORMAT, "collab_vit": _version.__version__, "torch": torch.__version__, "method": METHOD,
+        "options": decomposition_options(options),
         "blocks": [[getattr(b.attn, "num_heads", None), getattr(b.attn, "key_dim", None)] for b in model.blocks],
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
@@ -98,8 +97,8 @@ def cache_key(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str
     return digest.hexdigest(), described
 
 
-def _cache_path(digest: str, method: str) -> Path:
-    return cache_dir() / f"{digest[:32]}_{method}.safetensors"
+def _cache_path(digest: str) -> Path:
+    return cache_dir() / f"{digest[:32]}_{METHOD}.safetensors"
 
 
 @contextmanager
@@ -156,8 +155,7 @@ def load_or_convert(path: Path, convert: Callable[[], dict[str, torch.Tensor]],
             dist.barrier()  # also when converting failed: the others then try themselves instead of hanging
 
 
-def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Module, method: str,
-                            **options: Any) -> dict[str, Any]:
+def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Module, **options: Any) -> dict[str, Any]:
     """Replace every standard ``blocks.N.attn.*`` entry by the collaborative layer at the model's key dims
     (decomposition ``options``: ``seed, max_iter, tol, dtype``)."""
     converted = dict(state_dict)
@@ -182,13 +180,13 @@ def collab_filter_fn(state_dict: dict[str, Any], model: nn.Module) -> dict[str, 
     state_dict = checkpoint_filter_fn(state_dict, model)
     if not any(k.endswith("attn.qkv.weight") for k in state_dict):
         return state_dict
-    method, options = _conversion.get()
-    digest, described = cache_key(state_dict, model, method, options)
+    options = _conversion.get()
+    digest, described = cache_key(state_dict, model, options)
 
     def convert() -> dict[str, torch.Tensor]:
-        converted = convert_attention_state(state_dict, model, method, **options)
+        converted = convert_attention_state(state_dict, model, **options)
         return {k: v.contiguous() for k, v in converted.items() if ".attn." in k}
 
-    metadata = {"method": method, "key": json.dumps(described, sort_keys=True, default=str)}
-    attention_part = load_or_convert(_cache_path(digest, method), convert, metadata)
+    metadata = {"method": METHOD, "key": json.dumps(described, sort_keys=True, default=str)}
+    attention_part = load_or_convert(_cache_path(digest), convert, metadata)
     return {k: v for k, v in state_dict.items() if ".attn." not in k} | attention_part

@@ -2,9 +2,7 @@
 
 :func:`check_spec` reads a ``key_dim`` once where it enters (``reparametrize``'s argument, ``collab-vit convert
 --key-dim``); :func:`layer_dims` gives one key dim per layer from it, for standard and rotary layers alike, and is the
-only resolver the conversion paths call. What was removed from the public surface because no measurement kept it
-answers with the one line of :data:`REMOVED`, naming what replaced it (the numbers: RESULTS_HISTORY.md, "Options
-removed from the public surface").
+only resolver the conversion paths call.
 """
 from __future__ import annotations
 
@@ -12,45 +10,17 @@ from typing import Optional, Sequence, Union
 
 import torch.nn as nn
 
-from ...checks import is_integer, is_number, positive_int
+from ...checks import positive_ints
 from ...layers.construction import full_rank
 
 KeyDimSpec = Union[None, int, Sequence[int]]
 
-# one line each: what left the public surface, the measurement that removed it, what replaced it
-REMOVED: dict[str, str] = {
-    "budget": "budget key dims were removed (measured no better than one key dim for every layer: RESULTS.md (b)); "
-              "give --key-dim K or a per-layer list K1,K2,... (key_dim=K or a list in Python)",
-    "threshold": "energy-threshold key dims were removed (no measurement showed one beating a key dim at equal q/k "
-                 "parameters on two sources: RESULTS.md (b)); give --key-dim K or a per-layer list (collab-vit "
-                 "analyze --threshold suggests K)",
-    "method": "the decomposition method is no longer an option: every conversion uses Tucker (cp measured slower, "
-              "157.6 s against 56.2 s on DeiT-B: docs/performance.md); drop --method (method= and conversion_method= in "
-              "Python)",
-    "thorough": "effort 'thorough' (the whole-model refinement) was removed (better in one cell at about 20 times "
-                "--effort full's compute: RESULTS_HISTORY.md); use the default effort (the blockwise refinement) or "
-                "'fast'",
-    "reparametrize_layers": "reparametrize_layers was removed: use collab_vit.reparametrize(model, key_dim, "
-                            "calibration=..., return_report=True)",
-    "Budget": "Budget was removed with budget key dims (no better than one key dim: RESULTS.md (b)): give key_dim=K "
-              "or a per-layer list",
-}
-
 
 def check_spec(spec: object) -> KeyDimSpec:
-    """``spec`` as None, a positive int or a list of them; a budget (``"budget=F"``) or an energy threshold (a float)
-    is refused with its line of :data:`REMOVED`."""
+    """``spec`` as None, a positive int or a list of them."""
     if spec is None:
         return None
-    if isinstance(spec, str) and spec.startswith("budget="):
-        raise ValueError(REMOVED["budget"])
-    if isinstance(spec, (list, tuple)):
-        return [positive_int(k, "key_dim") for k in spec]
-    if is_integer(spec):
-        return positive_int(spec, "key_dim")
-    if is_number(spec):
-        raise ValueError(REMOVED["threshold"])
-    raise ValueError(f"key_dim must be an int, a list of ints (one per attention layer) or None, got {spec!r}")
+    return positive_ints(spec, "key_dim", "an int, a list of ints (one per attention layer) or None")
 
 
 def layer_dims(spec: KeyDimSpec, layers: Sequence[tuple[str, nn.Module]], even: bool = False,
@@ -72,11 +42,3 @@ def layer_dims(spec: KeyDimSpec, layers: Sequence[tuple[str, nn.Module]], even: 
                              f"conversion is exact at {most}, a larger key dim only adds zero columns")
     return dims
 
-
-def removed_name(module: str, name: str) -> ImportError:
-    """What a package's ``__getattr__`` raises for ``name``: for a public name that was removed (``Budget``,
-    ``reparametrize_layers``), an ``ImportError`` with its line of :data:`REMOVED` (so ``from collab_vit import
-    Budget`` says what replaced it); else the usual ``AttributeError``."""
-    if name in ("Budget", "reparametrize_layers"):
-        return ImportError(f"{module}.{name}: {REMOVED[name]}")
-    return AttributeError(f"module {module!r} has no attribute {name!r}")
