@@ -156,7 +156,7 @@ def grid(args: argparse.Namespace) -> None:
             model, timm_attention_layers(model), images, recipe, args.seed, rotary)
         dims = [key_dim] * len(run.layers)
         starts = {}
-        for name in run.builder.starts:
+        for name in run.starts.names:
             candidate = run.fit_start(name, dims)
             starts[name] = {"held": candidate.held.tolist(), **packed(predictions(model, test)),
                             "candidate": candidate}

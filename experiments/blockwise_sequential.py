@@ -101,7 +101,7 @@ def cell(source: torch.nn.Module, images: torch.Tensor, key_dim: int, rotary: bo
     recipe = Recipe()
     run = RecipeRun(model, timm_attention_layers(model), images, recipe, seed, rotary)
     dims = [key_dim] * len(run.layers)
-    starts = {name: run.fit_start(name, dims) for name in run.builder.starts}
+    starts = {name: run.fit_start(name, dims) for name in run.starts.names}
     row: dict = {"starts": {}}
     for name, candidate in starts.items():
         run.measure(candidate)

@@ -1,6 +1,7 @@
 """The peak resident memory of a fresh process, for the memory tests: ``WATCH`` (Python source) starts a thread that
 samples ``RssAnon + RssShmem`` (what the process holds, not the page cache of the files it maps) every 2 ms into
-``peak[0]``; ``REPORT`` stops it and prints the peak. A probe script is ``WATCH``, the work, then ``REPORT``."""
+``peak[0]`` (a daemon thread: a probe whose work fails exits with its error instead of waiting on it); ``REPORT``
+stops it and prints the peak. A probe script is ``WATCH``, the work, then ``REPORT``."""
 
 WATCH = """
 import threading, time
@@ -17,7 +18,7 @@ def watch():
         peak[0] = max(peak[0], resident())
         time.sleep(0.002)
 
-watcher = threading.Thread(target=watch)
+watcher = threading.Thread(target=watch, daemon=True)  # a failing probe exits with its error, not waits
 watcher.start()
 """
 REPORT = """

@@ -105,6 +105,8 @@ def test_one_check_for_a_positive_int_or_a_list_of_them():
     (r'\[(?!None)\w+\] \* len\(\w*layers\)', 'conversion/weights/dims.py'),  # one key dim for every layer
     # key-dim specs
     (r'entries but the model has \{len\(\w*layers', 'conversion/weights/dims.py'),
+    # the held-out split: a seeded order of every calibration image, guard.held_out_split
+    (r'randperm\(\w+, generator=torch\.Generator\(\)\.manual_seed', 'conversion/calibration/guard.py'),
     # a weight-only fit (a layer's fit without whitening sides): convert.convert_layer
     (r'fit_(?:attention|rotary)\(\w+, [\w.]+(?:\)|, \*\*)', 'conversion/weights/convert.py'),
 ])
