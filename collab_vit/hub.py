@@ -44,7 +44,7 @@ from .weights_io import (EVAL_KEYS, HUB_CONFIG, HUB_OUTPUT, HUB_WEIGHTS, check_o
 
 Source = tuple[str, dict[str, Any]]  # a timm model name and the keyword arguments it was created with
 TRAITS = ("img_size", "in_chans", "num_classes", "global_pool")  # what timm's save_for_hf adds from the model
-ON_LOAD = ("conversion_method", "conversion_options")  # how standard weights were converted on load: not recorded
+ON_LOAD = ("conversion_options",)  # how standard weights were converted on load: not recorded
 WEIGHT_CLAIMS = ("tag", "license", "description", "origin_url", "paper_name", "paper_ids", "notes", "label_names",
                  "label_descriptions")  # what a pretrained_cfg says of timm's weights for its tag
 NOT_STATED = "not stated"
