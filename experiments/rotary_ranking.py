@@ -8,7 +8,7 @@ rotary weight-only rule").
 ``grid`` converts one rotary source at each q/k dim per layer (``--key-dims``, of 64; no fine-tune) and evaluates top-1
 on the 10k test images, keeping each image's outcome (paired intervals). Variants at equal q/k parameters:
 
-* ``fit``: the per-frequency fit (``rotary_fit.fit_rotary``), the weight-only conversion below ``LIGHT``;
+* ``fit``: the per-frequency fit (``rotary_fit.fit_rotary``), the weight-only conversion at every key dim;
 * ``norm``: each head keeps its pairs of largest ``||T_ip|| = ||[Wq | bq]|| ||[Wk | bk]||`` (biases appended as a
   column: the ranking before this experiment);
 * ``weights``: the same by ``||Wq_ip|| ||Wk_ip||`` (biases left out: the issue's comparison);
