@@ -110,12 +110,15 @@ def image_folder(root: Path, count: int, size: int) -> Path:
 
 def end_to_end(args: argparse.Namespace) -> None:
     """The weight-only and the default calibrated ``collab-vit convert`` of ``--model`` (``--checkpoint none``: its
-    architecture) timed end to end in fresh processes, one after the other, with their peak resident memory."""
-    cli = [sys.executable, "-m", "collab_vit.cli", "convert", "--model", args.model, "--checkpoint", "none",
-           "--key-dim", str(args.key_dim), "--device", args.device]
+    architecture; or the model a ``--checkpoint`` file records) timed end to end in fresh processes, one after the
+    other, with their peak resident memory; calibrated on ``--data`` (default: seeded noise images)."""
+    source = ["--model", args.model, "--checkpoint", "none"] if args.checkpoint is None else \
+        ["--checkpoint", args.checkpoint]
+    cli = [sys.executable, "-m", "collab_vit.cli", "convert", *source, "--key-dim", str(args.key_dim),
+           "--device", args.device]
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
-        data = image_folder(root, args.default_images, 256)
+        data = Path(args.data) if args.data else image_folder(root, args.default_images, 256)
         rows = [("weight-only", run_measured([*cli, "--out", str(root / "w.safetensors")], root / "w.log"))]
         calibrated = [*cli, "--out", str(root / "c.safetensors"), "--calibration-data-dir", str(data),
                       *args.convert_args]
@@ -124,7 +127,7 @@ def end_to_end(args: argparse.Namespace) -> None:
         first = (root / "c.log").read_text().splitlines()
         if args.workdir:  # the calibrated run's whole log (its progress lines time each part) kept beside
             shutil.copy(root / "c.log", Path(args.workdir) / "calibrated.log")
-        print(f"{args.model}, key dim {args.key_dim}, {args.default_images} images in the folder; {platform.machine()}, "
+        print(f"{args.checkpoint or args.model}, key dim {args.key_dim}, calibration images from {args.data or 'noise'}; {platform.machine()}, "
               f"{args.device}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
         print("| conversion (fresh process, end to end) | wall s | peak RssAnon+RssShmem GiB | x weight-only | exit |\n"
               "|---|---:|---:|---:|---:|")
@@ -142,6 +145,8 @@ def main() -> None:
     p.add_argument("--convert-args", nargs="*", default=[], help="more options of the calibrated command")
     p.add_argument("--workdir", default=None, help="where the images and state folder go (default: the temp dir)")
     p.add_argument("--model", default="deit_base_patch16_224")
+    p.add_argument("--checkpoint", default=None, help="--end-to-end: a file collab-vit convert reads the model from")
+    p.add_argument("--data", default=None, help="--end-to-end: the calibration image folder (default: noise)")
     p.add_argument("--images", type=int, default=256, help="calibration images of the timed fast run")
     p.add_argument("--default-images", type=int, default=DEFAULT_IMAGES, help="images of the projected default")
     p.add_argument("--key-dim", type=int, default=384)

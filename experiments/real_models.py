@@ -466,6 +466,24 @@ def against(row: dict[str, Any], weight: dict[int, dict[str, Any]]) -> str:
     return f"{diff:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
+def refinement_gain(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """A refined row's probe top-1 and kNN top-1 minus those of the ``fast`` row (the closed forms alone) at its key
+    dim and calibration set (of its objective where there is one: at ``fast`` the objective only picks among the
+    closed forms), with paired intervals: what the refinement stage bought."""
+    if row.get("effort") not in ("default", "full"):
+        return ""
+    fast = [r for r in rows if r.get("effort") == "fast" and r.get("key_dim") == row.get("key_dim")
+            and r.get("calibration") == row.get("calibration")]
+    fast.sort(key=lambda r: r.get("objective") != row.get("objective"))
+    if not fast:
+        return ""
+    cells = []
+    for metric in ("probe", "knn"):
+        diff, lo, hi = (100 * v for v in paired_interval(np.asarray(row[metric]), np.asarray(fast[0][metric])))
+        cells.append(f"{metric} {diff:+.1f} [{lo:+.1f}, {hi:+.1f}]")
+    return f"{'; '.join(cells)} (against {fast[0]['row']})"
+
+
 def write_table() -> None:
     """``table.md`` from every row's JSON: means with the paired difference to the source and its interval."""
     rows = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
@@ -478,15 +496,16 @@ def write_table() -> None:
              "kNN: k=20, cosine, over the source's bank features; cosine: of the CLS feature to the source's. Seconds and "
              "peak resident memory of the `collab-vit convert` child (a shared 2-core machine: indicative). "
              "Written by `experiments/real_models.py`.", "",
-             "| row | calibration | objective | probe top-1 | kNN top-1 | cosine | probe vs weight-only | seconds | "
-             "peak GB | recipe |", "|---|---|---|---|---|---|---|---:|---:|---|"]
+             "| row | calibration | objective | probe top-1 | kNN top-1 | cosine | probe vs weight-only | refinement's "
+             "gain (vs fast) | seconds | peak GB | recipe |", "|---|---|---|---|---|---|---|---|---:|---:|---|"]
     weight = {r["key_dim"]: r for r in rows if r.get("effort") == "weight"}
     for r in rows:
         s, objective = r["summary"], OBJECTIVE_SHOWN.get(r.get("objective"), r.get("objective"))
         seconds = f"{r['seconds']:.0f}" if "seconds" in r else ""
         peak = f"{r['peak_rss_bytes'] / 1e9:.2f}" if "peak_rss_bytes" in r else ""
         lines.append(f"| {r['row']} | {r.get('calibration') or ''} | {objective if r.get('calibration') else ''} | "
-                     f"{cell(s['probe'], 1)} | {cell(s['knn'], 1)} | {cell(s['cosine'], 3)} | {against(r, weight)} | {seconds} | "
+                     f"{cell(s['probe'], 1)} | {cell(s['knn'], 1)} | {cell(s['cosine'], 3)} | {against(r, weight)} | "
+                     f"{refinement_gain(r, rows)} | {seconds} | "
                      f"{peak} | "
                      f"{stages(r.get('report', {}))} |")
     (RESULTS / "table.md").write_text("\n".join(lines) + "\n")

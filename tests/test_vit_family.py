@@ -16,9 +16,9 @@ from timm.optim import create_optimizer_v2
 import collab_vit
 import vit_family
 from collab_vit.cli import main as cli_main
-from collab_vit.conversion.calibration import recipe
+from collab_vit.conversion.calibration import candidates
 from collab_vit.conversion import reparam
-from collab_vit.conversion.weights import fit
+from collab_vit.conversion.weights import convert, fit
 from numerics import U32, assert_within
 
 POST_HOC = Path(__file__).parents[1] / "docs" / "post_hoc.md"
@@ -119,7 +119,7 @@ def test_refusals_before_any_work(label: str, monkeypatch) -> None:
     model = vit_family.create(name, kwargs)
     before = snapshot(model)
     fitted = []
-    for module in (reparam, recipe):
+    for module in (reparam, convert, candidates):
         monkeypatch.setattr(module, "fit_attention", lambda *a, **k: fitted.append(a))
     with pytest.raises(ValueError) as error:
         collab_vit.reparametrize(model, key_dim=16, progress=False)
@@ -139,7 +139,7 @@ def test_a_conversion_failing_half_way_puts_the_model_back(monkeypatch) -> None:
             raise RuntimeError("out of memory (planted)")
         return real(*args, **kwargs)
 
-    for module in (reparam, recipe):
+    for module in (reparam, convert, candidates):
         monkeypatch.setattr(module, "fit_attention", second_fails)
     for options in ({}, dict(calibration=vit_family.images(4), effort="fast")):
         calls.clear()
