@@ -469,12 +469,16 @@ def against(row: dict[str, Any], weight: dict[int, dict[str, Any]]) -> str:
 def refinement_gain(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """A refined row's probe top-1 and kNN top-1 minus those of the ``fast`` row (the closed forms alone) at its key
     dim and calibration set (of its objective where there is one: at ``fast`` the objective only picks among the
-    closed forms), with paired intervals: what the refinement stage bought."""
+    closed forms), with paired intervals: what the refinement stage bought. Paired over the test images against the
+    source's probe and bank of one run (rows of another session of the features differ by a test image or two)."""
     if row.get("effort") not in ("default", "full"):
         return ""
+    if "+" not in ((row.get("report") or {}).get("calibration") or {}).get("chosen", "+"):
+        return "none: the guard kept a closed form (the fast file)"
     fast = [r for r in rows if r.get("effort") == "fast" and r.get("key_dim") == row.get("key_dim")
             and r.get("calibration") == row.get("calibration")]
-    fast.sort(key=lambda r: r.get("objective") != row.get("objective"))
+    # the same run of the source's features first (a session's rows share its commit), then the same objective
+    fast.sort(key=lambda r: (r.get("commit") != row.get("commit"), r.get("objective") != row.get("objective")))
     if not fast:
         return ""
     cells = []

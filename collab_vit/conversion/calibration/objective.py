@@ -8,8 +8,9 @@ source's ``f0``, scored per image by ``FEATURE_OBJECTIVE``:
 * ``"cosine"``: ``1 - cos(f, f0)`` (the direction of the features, what a cosine kNN or a normalised probe reads);
 * ``"mse"``: ``||f - f0||^2 / ||f0||^2`` (the relative squared error);
 * ``"kl"``: the softmax over the feature dimensions, as every model was scored before feature models had an
-  objective of their own (kept only so that an experiment can reproduce that row, by setting this module's constant
-  in its own process).
+  objective of their own (an experiment sets this module's constant in its own process; on a real DINOv2 it beat
+  the cosine at D/8 on one calibration set and tied on the other: RESULTS.md, "A real pretrained model: DINOv2
+  ViT-S/14").
 
 Lower is better for all three, and each is zero at the source. The blockwise refinement weighs a layer's output
 error ``dy`` by the objective's curvature at the source, in the Fisher form ``E_s[(g_s . dy)^2]`` (``directions``:
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 OBJECTIVES = ("kl", "cosine", "mse")
-FEATURE_OBJECTIVE = "cosine"  # of a model without a head: a prior (docs/post_hoc.md, "Objective"), not a measurement
+FEATURE_OBJECTIVE = "cosine"  # of a model without a head: a prior (docs/post_hoc.md, "Objective"); the real
+# DINOv2's measurement (RESULTS.md, "A real pretrained model: DINOv2 ViT-S/14") has not settled it
 DESCRIPTIONS = {"kl": "KL to the source's outputs", "cosine": "1 - cosine to the source's features",
                 "mse": "relative squared error to the source's features"}
 
