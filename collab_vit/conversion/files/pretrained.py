@@ -167,7 +167,7 @@ def convert_attention_state(state_dict: dict[str, torch.Tensor], model: nn.Modul
         dim = state_dict[prefix + "qkv.weight"].shape[1]
         attn = Attention(dim, target.num_heads, qkv_bias=prefix + "qkv.bias" in state_dict)
         attn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-        layer = convert_layer(attn, target.key_dim, **{k: v for k, v in options.items() if k != "seed"}).layer
+        layer = convert_layer(attn, target.key_dim, **decomposition_options(options)).layer
         for key in [k for k in converted if k.startswith(prefix)]:
             del converted[key]
         converted.update({prefix + k: v for k, v in layer.state_dict().items()})
